@@ -1,0 +1,38 @@
+# Every target sets itself up: a fresh machine needs only python3 (3.10+) and a C++ compiler.
+PY      ?= python3
+VENV    ?= .venv
+VPY      = $(VENV)/bin/python
+TORCH   ?= torch==2.14.1
+NPROC   ?= 2
+
+.PHONY: venv build test test-all cuda-check train bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH)" ninja pybind11 pytest numpy setuptools wheel hypothesis
+	touch $@
+
+venv: $(VENV)/.installed
+
+# Builds fsdp_ext._C in place (CPU kernels always; CUDA kernels when nvcc and a CUDA torch exist,
+# unless FSDP_EXT_NO_CUDA=1).
+build: venv
+	MAX_JOBS=$(NPROC) $(VPY) -m pip install -q --no-build-isolation -e .
+
+# The test suite (CPU only; CUDA tests skip without a GPU).
+test: build
+	$(VPY) -m pytest -q -x tests
+
+test-all: build
+	$(VPY) -m pytest -q tests --runslow
+
+# Compile-checks the CUDA sources with nvcc (no GPU needed).
+cuda-check: venv
+	$(VPY) tools/cuda_check.py
+
+bench: build
+	$(VPY) benchmarks/bench_kernels.py
+
+clean:
+	rm -rf build *.egg-info fsdp_ext/_C*.so

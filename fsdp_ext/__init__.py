@@ -1,0 +1,2 @@
+"""fsdp_ext: a fully-sharded data-parallel runtime for PyTorch."""
+from . import ops  # noqa: F401

@@ -1,0 +1,107 @@
+"""One entry point per kernel; each picks a backend.
+
+Backends: "cpp" (C++ CPU kernels) and "cuda" (CUDA kernels), both reached through the dispatcher as
+`torch.ops.fsdp_ext.*`; "triton" (Triton kernels; on CPU only under TRITON_INTERPRET=1); "torch" (the
+plain-torch reference in `reference.py`). The default is the compiled kernel for the tensors' device,
+and the reference when the extension is not built (with a one-time warning). FSDP_EXT_BACKEND in the
+environment overrides the default.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Sequence
+
+import torch
+
+from . import checks, reference
+
+try:
+    from fsdp_ext import _C  # noqa: F401  (importing registers torch.ops.fsdp_ext.*)
+    HAVE_EXTENSION = True
+except ImportError:  # not built: fall back to the reference
+    HAVE_EXTENSION = False
+
+BACKENDS = ("cpp", "cuda", "triton", "torch")
+_warned = False
+
+
+def default_backend(device: torch.device) -> str:
+    forced = os.environ.get("FSDP_EXT_BACKEND")
+    if forced:
+        return forced
+    if HAVE_EXTENSION:
+        return "cuda" if device.type == "cuda" else "cpp"
+    global _warned
+    if not _warned:
+        warnings.warn("fsdp_ext._C is not built; using the plain-torch reference ops", stacklevel=3)
+        _warned = True
+    return "torch"
+
+
+def _resolve(backend: str | None, device: torch.device) -> str:
+    backend = backend or default_backend(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend in ("cpp", "cuda"):
+        if not HAVE_EXTENSION:
+            raise RuntimeError(f"backend {backend!r} needs the compiled extension fsdp_ext._C")
+        want = "cuda" if device.type == "cuda" else "cpu"
+        if (backend == "cuda") != (want == "cuda"):
+            raise ValueError(f"backend {backend!r} cannot run on {device} tensors")
+    return backend
+
+
+def _triton():
+    from . import triton_kernels  # imported lazily: TRITON_INTERPRET must be set before import
+    return triton_kernels
+
+
+def pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
+         out_offset: int = 0, scale: float = 1.0, backend: str | None = None) -> None:
+    """Pack `srcs` into the flat window `out` (see reference.pack)."""
+    backend = _resolve(backend, out.device)
+    srcs, offsets = list(srcs), [int(o) for o in offsets]
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.pack(srcs, offsets, out, int(out_offset), float(scale))
+        return
+    checks.check_pack(srcs, offsets, out, out_offset)
+    impl = _triton() if backend == "triton" else reference
+    impl.pack(srcs, offsets, out, int(out_offset), float(scale))
+
+
+def unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
+           outs: Sequence[torch.Tensor], backend: str | None = None) -> None:
+    """Copy the flat window `src` into the parts of `outs` it covers (see reference.unpack)."""
+    backend = _resolve(backend, src.device)
+    outs, offsets = list(outs), [int(o) for o in offsets]
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.unpack(src, int(src_offset), offsets, outs)
+        return
+    checks.check_unpack(src, src_offset, offsets, outs)
+    impl = _triton() if backend == "triton" else reference
+    impl.unpack(src, int(src_offset), offsets, outs)
+
+
+def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int,
+                   backend: str | None = None) -> None:
+    """gathered[slot*n:(slot+1)*n] = cast(shard) (see reference.cast_into_slot)."""
+    backend = _resolve(backend, gathered.device)
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.cast_into_slot(shard, gathered, int(slot))
+        return
+    checks.check_cast_into_slot(shard, gathered, slot)
+    impl = _triton() if backend == "triton" else reference
+    impl.cast_into_slot(shard, gathered, int(slot))
+
+
+def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
+                  accumulate: bool = False, backend: str | None = None) -> None:
+    """out = cast((out if accumulate else 0) + reduced * scale) (see reference.grad_epilogue)."""
+    backend = _resolve(backend, out.device)
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.grad_epilogue(reduced, out, float(scale), bool(accumulate))
+        return
+    checks.check_grad_epilogue(reduced, out)
+    impl = _triton() if backend == "triton" else reference
+    impl.grad_epilogue(reduced, out, float(scale), bool(accumulate))

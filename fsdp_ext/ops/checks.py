@@ -1,0 +1,71 @@
+"""Argument checks shared by the Python backends (reference and Triton).
+
+The C++ and CUDA kernels run the same checks in `csrc/checks.h`; both name the offending argument so
+that a bad call fails loudly instead of writing out of bounds.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_tensor(t: torch.Tensor, name: str, device: torch.device) -> None:
+    _check(t.dtype in FLOAT_DTYPES, f"{name}: dtype {t.dtype} is not one of fp32/bf16/fp16")
+    _check(t.device == device, f"{name}: on {t.device}, expected {device}")
+    _check(t.is_contiguous(), f"{name}: must be contiguous")
+
+
+def _check_disjoint(ranges: list[tuple[int, int, int]], what: str) -> None:
+    """ranges: (start, end, index) in flat space; empty ranges never overlap."""
+    prev_end, prev_i = None, None
+    for start, end, i in sorted(r for r in ranges if r[1] > r[0]):
+        _check(prev_end is None or start >= prev_end,
+               f"{what}[{i}] overlaps {what}[{prev_i}] in the flat buffer")
+        prev_end, prev_i = end, i
+
+
+def check_pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
+               out_offset: int) -> None:
+    _check_tensor(out, "out", out.device)
+    _check(out.dim() == 1, "out: must be 1-D")
+    _check(len(srcs) == len(offsets), f"srcs has {len(srcs)} tensors but offsets has {len(offsets)}")
+    _check(out_offset >= 0, "out_offset: must be >= 0")
+    for i, (src, off) in enumerate(zip(srcs, offsets)):
+        _check_tensor(src, f"srcs[{i}]", out.device)
+        _check(off >= 0, f"offsets[{i}]: must be >= 0")
+    _check_disjoint([(o, o + s.numel(), i) for i, (s, o) in enumerate(zip(srcs, offsets))], "srcs")
+
+
+def check_unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
+                 outs: Sequence[torch.Tensor]) -> None:
+    _check_tensor(src, "src", src.device)
+    _check(src.dim() == 1, "src: must be 1-D")
+    _check(len(outs) == len(offsets), f"outs has {len(outs)} tensors but offsets has {len(offsets)}")
+    _check(src_offset >= 0, "src_offset: must be >= 0")
+    for i, (dst, off) in enumerate(zip(outs, offsets)):
+        _check_tensor(dst, f"outs[{i}]", src.device)
+        _check(off >= 0, f"offsets[{i}]: must be >= 0")
+    _check_disjoint([(o, o + d.numel(), i) for i, (d, o) in enumerate(zip(outs, offsets))], "outs")
+
+
+def check_cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> None:
+    _check_tensor(shard, "shard", gathered.device)
+    _check_tensor(gathered, "gathered", gathered.device)
+    _check(slot >= 0, "slot: must be >= 0")
+    _check((slot + 1) * shard.numel() <= gathered.numel(),
+           f"gathered: {gathered.numel()} elements cannot hold slot {slot} of {shard.numel()}")
+
+
+def check_grad_epilogue(reduced: torch.Tensor, out: torch.Tensor) -> None:
+    _check_tensor(reduced, "reduced", out.device)
+    _check_tensor(out, "out", out.device)
+    _check(reduced.numel() == out.numel(),
+           f"reduced has {reduced.numel()} elements but out has {out.numel()}")
