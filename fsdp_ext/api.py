@@ -1,0 +1,154 @@
+"""The public entry points, with PyTorch's names and meaning: `fully_shard` (FSDP2 style) and
+`FullyShardedDataParallel` (FSDP1 style)."""
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
+from .unit import UNIT_ATTR, Unit, unit_of
+from .wrap import apply_auto_wrap
+
+
+class ShardingStrategy(enum.Enum):
+    FULL_SHARD = enum.auto()      # shard params, grads, optimizer state; free params after forward
+    SHARD_GRAD_OP = enum.auto()   # same, but keep params unsharded between forward and backward
+    NO_SHARD = enum.auto()        # replicate (DDP-like): all-reduce gradients
+    HYBRID_SHARD = enum.auto()    # FULL_SHARD within a node, replicate across nodes
+    _HYBRID_SHARD_ZERO2 = enum.auto()
+
+
+class BackwardPrefetch(enum.Enum):
+    BACKWARD_PRE = enum.auto()    # issue the previous unit's all-gather before this unit's backward
+    BACKWARD_POST = enum.auto()   # ... after this unit's backward
+
+
+def _device_for(module: nn.Module, mesh_device_type: str | None) -> torch.device:
+    params = list(module.parameters())
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        by_device = {}
+        for name, p in module.named_parameters():
+            by_device.setdefault(str(p.device), name)
+        raise ValueError(f"{type(module).__name__} has parameters on several devices: "
+                         + ", ".join(f"'{n}' on {d}" for d, n in by_device.items()))
+    if mesh_device_type == "cuda" or (mesh_device_type is None and devices == {torch.device("meta")}
+                                      and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    if devices and next(iter(devices)).type != "meta":
+        return next(iter(devices))
+    return torch.device("cpu")
+
+
+def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward) -> comm.Groups:
+    shard = replicate = None
+    if mesh is not None:
+        if mesh.ndim == 1:
+            shard = mesh.get_group(0)
+        elif mesh.ndim == 2:
+            replicate, shard = mesh.get_group(0), mesh.get_group(1)
+        else:
+            raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
+    elif isinstance(process_group, tuple):
+        shard, replicate = process_group
+    elif process_group is not None:
+        shard = process_group
+    elif dist.is_available() and dist.is_initialized():
+        shard = dist.group.WORLD
+    if shard is not None and dist.get_world_size(shard) == 1:
+        shard = None
+    if replicate is not None and dist.get_world_size(replicate) == 1:
+        replicate = None
+    groups = comm.Groups(device=device, shard=shard, replicate=replicate)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        k = reshard_after_forward
+        if k < 1:
+            raise ValueError(f"reshard_after_forward={k} must be >= 1")
+        if 1 < k < groups.shard_size:
+            groups.post_forward = comm.post_forward_group(shard, k)
+            groups.post_forward_size = k
+    return groups
+
+
+class FSDPModule:
+    """Mixed into every module passed to `fully_shard` (the module's class becomes a subclass)."""
+
+    @property
+    def _unit(self) -> Unit:
+        return self.__dict__[UNIT_ATTR]
+
+    def unshard(self, async_op: bool = False) -> None:
+        self._unit.unshard(async_op)
+        if not async_op:
+            self._unit.wait_unshard()
+
+    def reshard(self) -> None:
+        self._unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        modules = self.modules() if recurse else [self]
+        for module in modules:
+            if (unit := unit_of(module)) is not None:
+                unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        modules = self.modules() if recurse else [self]
+        for module in modules:
+            if (unit := unit_of(module)) is not None:
+                unit.reshard_after_forward = reshard_after_forward
+
+    def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
+        """Prefetch depth for this root's schedule (fsdp_ext extension; default 1 and 1)."""
+        if forward is not None:
+            self._unit.options["forward_prefetch"] = forward
+        if backward is not None:
+            self._unit.options["backward_prefetch"] = backward
+        if self._unit.schedule is not None:
+            self._unit.schedule.options.update(self._unit.options)
+
+
+def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
+                reshard_after_forward: bool | int | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                forward_prefetch: int = 1, backward_prefetch: int = 1,
+                limit_in_flight: bool = True) -> nn.Module:
+    """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
+
+    Apply it bottom-up: to each block first, then to the model (the root). The module keeps its
+    parameters' identities and names; its class becomes a subclass of FSDPModule.
+
+    Args:
+        module: the module to shard; its parameters must all be on one device.
+        mesh: a 1-D DeviceMesh (shard) or 2-D (replicate, shard) for HSDP. Default: the world.
+        process_group: FSDP1-style alternative to `mesh`: a group, or (shard, replicate) groups.
+        reshard_after_forward: True frees parameters after forward and regathers them in backward;
+            False keeps them (ZeRO-2); an int k keeps 1/k of them and regathers from k ranks.
+            None (default): True, except for the root, whose parameters backward needs first.
+        mp_policy: mixed precision (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
+        forward_prefetch / backward_prefetch: how many units ahead to all-gather (read by the root).
+        limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
+    """
+    if unit_of(module) is not None:
+        raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
+    for name, sub in module.named_modules():
+        if name and (sub_unit := unit_of(sub)) is not None and sub_unit.schedule is not None:
+            raise ValueError(f"submodule '{name}' already ran forward; shard before the first forward")
+    device = _device_for(module, mesh.device_type if mesh is not None else None)
+    if device.type != "cpu" and any(p.device != device for p in module.parameters()):
+        module.to(device)
+    groups = _groups_from(mesh, process_group, device, reshard_after_forward)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
+        reshard_after_forward = reshard_after_forward > 1
+    options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+                   limit_in_flight=limit_in_flight)
+    unit = Unit(module, groups, mp_policy, reshard_after_forward, options)
+    module.__dict__[UNIT_ATTR] = unit
+    cls = module.__class__
+    if not isinstance(module, FSDPModule):
+        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return module

@@ -1,0 +1,136 @@
+"""Collectives over torch.distributed and the process groups a unit talks to.
+
+Overlap works the same way on both device kinds, with one small record per collective that holds
+the tensors it reads and writes until someone waits on it (no `record_stream`):
+  * CUDA/NCCL: the collective runs on a side stream after that stream waited for the compute stream;
+    an event marks its end, and the consumer's stream waits on that event.
+  * CPU/gloo: the collective is issued with `async_op=True`; gloo runs it on its own thread, and
+    waiting on the work handle is the synchronisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@dataclass
+class Groups:
+    """Who a unit shards over and who it replicates over.
+
+    shard: ranks that each hold 1/shard_size of the unit (None: one rank, nothing to gather).
+    replicate: ranks holding the same shard; gradients are all-reduced over them (HSDP, NO_SHARD).
+    post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward.
+    """
+
+    device: torch.device
+    shard: dist.ProcessGroup | None = None
+    replicate: dist.ProcessGroup | None = None
+    post_forward: dist.ProcessGroup | None = None
+    post_forward_size: int = 1
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard) if self.shard is not None else 1
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard) if self.shard is not None else 0
+
+    @property
+    def replicate_size(self) -> int:
+        return dist.get_world_size(self.replicate) if self.replicate is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    @property
+    def post_forward_rank(self) -> int:
+        return dist.get_rank(self.post_forward) if self.post_forward is not None else 0
+
+
+def subgroup(global_ranks: list[int]) -> dist.ProcessGroup:
+    """A process group over `global_ranks`, created once (only its members need to call this)."""
+    key = tuple(global_ranks)
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _GROUP_CACHE[key]
+
+
+def post_forward_group(shard: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup | None:
+    """The `size` consecutive ranks of the shard group that this rank regathers with in backward.
+
+    Consecutive ranks are the ones on the same node, as in FSDP2's `reshard_after_forward=int`.
+    """
+    if shard is None or size <= 1:
+        return None
+    ranks = dist.get_process_group_ranks(shard)
+    if len(ranks) % size:
+        raise ValueError(f"reshard_after_forward={size} must divide the shard group size {len(ranks)}")
+    start = dist.get_rank(shard) // size * size
+    return subgroup(ranks[start:start + size])
+
+
+@dataclass
+class Pending:
+    """Collectives in flight and everything they touch; `wait()` makes their results usable."""
+
+    works: list = field(default_factory=list)
+    event: torch.cuda.Event | None = None
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.event = None
+        self.keep_alive.clear()
+
+
+class Streams:
+    """Side streams for collectives on CUDA; on CPU everything is a no-op."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            # High priority: a delayed collective delays every unit behind it.
+            self.all_gather = torch.cuda.Stream(device=device, priority=-1)
+            self.reduce_scatter = torch.cuda.Stream(device=device, priority=-1)
+
+    def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor]) -> Pending:
+        """Run `fn(async_op) -> list of work handles` as collectives in flight; return their record.
+
+        On CUDA `fn` runs on the side stream (allocations included) after that stream waited for the
+        compute stream, so it sees every earlier write and may reuse memory freed before this call.
+        """
+        if not self.cuda:
+            return Pending(works=[w for w in fn(True) if w is not None], keep_alive=keep_alive)
+        stream = getattr(self, stream_name)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(False)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return Pending(event=event, keep_alive=keep_alive)
+
+# torch 2.14 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    return _all_gather_flat(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

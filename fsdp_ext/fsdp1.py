@@ -1,0 +1,113 @@
+"""`FullyShardedDataParallel`: the FSDP1-style wrapper, built on the same units as `fully_shard`.
+
+Unlike FSDP1, auto-wrapping does not replace submodules with wrapper objects: the selected
+submodules become units in place, so the model's structure, parameter names and state-dict keys stay
+exactly those of the unwrapped model (the wrapper itself adds no prefix).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
+from .mixed_precision import MixedPrecision
+from .wrap import apply_auto_wrap
+
+
+def _hybrid_mesh(device_type: str):
+    """(replicate, shard) mesh: shard within a node (LOCAL_WORLD_SIZE ranks), replicate across."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
+    return init_device_mesh(device_type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Drop-in for torch.distributed.fsdp.FullyShardedDataParallel (see README for differences)."""
+
+    def __init__(self, module: nn.Module, process_group=None,
+                 sharding_strategy: ShardingStrategy | None = None, cpu_offload=None,
+                 auto_wrap_policy=None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision: MixedPrecision | None = None, ignored_modules=None,
+                 param_init_fn=None, device_id=None, sync_module_states: bool = False,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True,
+                 use_orig_params: bool = True, ignored_states=None, device_mesh=None):
+        super().__init__()
+        if ignored_modules or ignored_states:
+            raise NotImplementedError("ignored_modules / ignored_states are not supported")
+        if cpu_offload is not None and getattr(cpu_offload, "offload_params", False):
+            raise NotImplementedError("cpu_offload is not supported yet")
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if device_id is not None:
+            device = torch.device(device_id) if not isinstance(device_id, int) else torch.device(
+                "cuda", device_id)
+            module.to(device)
+        device_type = next(module.parameters()).device.type if any(True for _ in module.parameters()) else "cpu"
+        mesh, group = device_mesh, process_group
+        if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            if mesh is None and not isinstance(group, tuple):
+                mesh = _hybrid_mesh(device_type)
+        elif strategy is ShardingStrategy.NO_SHARD:
+            group = (None, group or dist.group.WORLD)
+        mp = mixed_precision or MixedPrecision()
+        if mp.buffer_dtype is not None:
+            for buf in module.buffers():
+                if torch.is_floating_point(buf):
+                    buf.data = buf.data.to(mp.buffer_dtype)
+        reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        kwargs = dict(mesh=mesh, process_group=group,
+                      forward_prefetch=1 if forward_prefetch else 0,
+                      backward_prefetch=0 if backward_prefetch is None else 1,
+                      limit_in_flight=limit_all_gathers)
+        if auto_wrap_policy is not None:
+            apply_auto_wrap(module, auto_wrap_policy, lambda m: fully_shard(
+                m, reshard_after_forward=reshard, mp_policy=mp.to_policy(False), **kwargs))
+        fully_shard(module, reshard_after_forward=None if reshard else False,
+                    mp_policy=mp.to_policy(True), **kwargs)
+        module._unit.options["backward_prefetch_at"] = (
+            "post" if backward_prefetch is BackwardPrefetch.BACKWARD_POST else "pre")
+        self._fsdp_wrapped_module = module
+
+    @property
+    def module(self) -> nn.Module:
+        return self._fsdp_wrapped_module
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    # The wrapper is transparent: names and keys are those of the wrapped module.
+    def named_parameters(self, *args, **kwargs):
+        return self._fsdp_wrapped_module.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._fsdp_wrapped_module.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self._fsdp_wrapped_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._fsdp_wrapped_module.load_state_dict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (unsharded) and skip communication inside the block."""
+        root: FSDPModule = self._fsdp_wrapped_module
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)

@@ -1,0 +1,149 @@
+"""Execution order, prefetch, the in-flight bound and end-of-backward work, shared by a root's units.
+
+The root unit (the first unit to run forward) creates one Schedule for every unit in its module
+tree. The schedule records the order in which units run forward; from the second step on it
+prefetches: in forward, the all-gathers of the next `forward_prefetch` units are issued before the
+current unit computes; in backward, those of the previous `backward_prefetch` units (in reverse
+forward order). A bound on transient unsharded units keeps memory at most (depth + 1) units above
+the sharded state: a prefetch that would exceed it is skipped and happens on demand instead.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from . import comm
+from .trace import RECORDER
+from .unit import Unit, unit_of
+
+DEFAULT_OPTIONS = dict(
+    forward_prefetch=1,         # units whose all-gather is issued ahead in forward
+    backward_prefetch=1,        # ... in backward
+    backward_prefetch_at="pre",  # "pre": before the unit's backward compute; "post": after it
+    limit_in_flight=True,       # bound transient unsharded units by max(depth) + 1
+    max_pending_reduce_scatters=2,
+)
+
+
+class Schedule:
+    def __init__(self, root: Unit, units: list[Unit]):
+        self.root = root
+        self.units = units
+        self.options = {**DEFAULT_OPTIONS, **root.options}
+        self.streams = comm.Streams(root.groups.device)
+        self.forward_order: list[Unit] = []
+        self._recording: list[Unit] = []
+        self.in_forward = False
+        self._backward_queued = False
+        self.pending_reduce_scatters: deque = deque()
+        self.peak_transient_unsharded = 0
+
+    @classmethod
+    def create(cls, root: Unit) -> "Schedule":
+        units = []
+        for name, module in root.module.named_modules():
+            unit = unit_of(module)
+            if unit is None:
+                continue
+            if unit.schedule is not None:
+                raise RuntimeError(
+                    f"unit '{name}' already ran forward under another root; apply fully_shard "
+                    "to every submodule before the first forward of the model")
+            unit.name = name
+            units.append(unit)
+        schedule = cls(root, units)
+        for unit in units:
+            unit.schedule = schedule
+            unit.is_root = unit is root
+        return schedule
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        self.drain_reduce_scatters()
+        self._recording = []
+        self.in_forward = True
+
+    def record_forward(self, unit: Unit) -> None:
+        if unit not in self._recording:
+            self._recording.append(unit)
+
+    def root_post_forward(self) -> None:
+        self.in_forward = False
+        if self._recording:
+            self.forward_order = self._recording
+        if not torch.is_grad_enabled():
+            self.reshard_all()
+
+    def is_last_in_forward(self, unit: Unit) -> bool:
+        return bool(self.forward_order) and self.forward_order[-1] is unit
+
+    def prefetch_forward(self, unit: Unit) -> None:
+        self._prefetch(self.forward_order, unit, self.options["forward_prefetch"])
+
+    # ---- backward -----------------------------------------------------------------------------------
+    def in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def backward_started(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def prefetch_backward(self, unit: Unit, moment: str) -> None:
+        if self.options["backward_prefetch_at"] == moment:
+            self._prefetch(self.forward_order[::-1], unit, self.options["backward_prefetch"])
+
+    def add_pending_reduce_scatter(self, finish) -> None:
+        self.pending_reduce_scatters.append(finish)
+        while len(self.pending_reduce_scatters) > self.options["max_pending_reduce_scatters"]:
+            self.pending_reduce_scatters.popleft()()
+
+    def drain_reduce_scatters(self) -> None:
+        while self.pending_reduce_scatters:
+            self.pending_reduce_scatters.popleft()()
+
+    def finalize_backward(self) -> None:
+        """Runs once when autograd finishes: flush gradients, free whatever is still unsharded."""
+        self.drain_reduce_scatters()
+        for unit in self.units:
+            unit.reshard()
+            unit.reset_backward_state()
+        self._backward_queued = False
+        RECORDER.add("backward.finalize", self.root.name)
+
+    def reshard_all(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    # ---- prefetch and the in-flight bound -----------------------------------------------------------
+    def transient_unsharded(self) -> int:
+        return sum(1 for u in self.units
+                   if u.transient and (u.unsharded or u.pending_unshard is not None))
+
+    def _prefetch(self, order: list[Unit], current: Unit, depth: int) -> None:
+        self.peak_transient_unsharded = max(self.peak_transient_unsharded,
+                                            self.transient_unsharded())
+        if depth <= 0 or current not in order:
+            return
+        index = order.index(current)
+        limit = self.max_in_flight()
+        for unit in order[index + 1:index + 1 + depth]:
+            if unit.unsharded or unit.pending_unshard is not None:
+                continue
+            if limit is not None and unit.transient and self.transient_unsharded() >= limit:
+                RECORDER.add("prefetch.skipped", unit.name)
+                break
+            unit.unshard()
+        self.peak_transient_unsharded = max(self.peak_transient_unsharded,
+                                            self.transient_unsharded())
+
+    def max_in_flight(self) -> int | None:
+        if not self.options["limit_in_flight"]:
+            return None
+        return max(self.options["forward_prefetch"], self.options["backward_prefetch"]) + 1
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    return [u for m in model.modules() if (u := unit_of(m)) is not None]

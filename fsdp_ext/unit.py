@@ -1,0 +1,327 @@
+"""One unit: the parameters of one `fully_shard` call, their buckets and the hooks that move them.
+
+The timeline of a unit in one training step (see README, "How it works"):
+
+    pre_forward:   unshard (all-gather every bucket into its `full` buffer), parameters -> views
+    post_forward:  parameters -> shard views again; free `full` unless kept for backward
+    pre_backward:  (a hook on the forward outputs) unshard again if it was freed
+    post_backward: (a hook on `full` once autograd accumulated its gradient) reduce-scatter, free
+
+`full` (one per bucket) is an autograd leaf. The forward sees `full.split(...)` views, so autograd
+hands back the whole padded, flat gradient in one tensor: the reduce-scatter input needs no packing
+beyond the optional cast. Freeing uses `untyped_storage().resize_(0)`, which keeps every view and
+every tensor autograd saved valid; the refill writes through `full.data`, a second alias with its own
+version counter, so autograd does not mistake the refill for an in-place edit of saved tensors.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from . import comm, ops
+from .flat_param import Bucket, ParamSlot
+from .mixed_precision import MixedPrecisionPolicy, cast_floating, divide_factors
+from .trace import RECORDER, span
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
+
+UNIT_ATTR = "_fsdp_ext_unit"
+
+
+def unit_of(module: nn.Module) -> "Unit | None":
+    return module.__dict__.get(UNIT_ATTR)
+
+
+class Unit:
+    def __init__(self, module: nn.Module, groups: comm.Groups, mp: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | int | None, options: dict):
+        self.module = module
+        self.groups = groups
+        self.mp = mp
+        self.reshard_after_forward = reshard_after_forward  # None: True unless root
+        self.options = options           # schedule options, read by the root
+        self.name = ""                   # fully qualified name, set by the root at lazy init
+        self.schedule: Schedule | None = None
+        self.is_root = False
+        self.requires_gradient_sync = True
+        self.buckets = _build_buckets(module, groups)
+        self.full: list[torch.Tensor] = []
+        self.full_data: list[torch.Tensor] = []
+        self.unsharded = False
+        self.pending_unshard: comm.Pending | None = None
+        self.post_forward_chunks: list[torch.Tensor] | None = None
+        self.pre_backward_done = False
+        self.grad_buckets_reduced = 0
+        self._init_sharded_state()
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+
+    # ---- set-up -----------------------------------------------------------------------------------
+    def _init_sharded_state(self) -> None:
+        device = self.groups.device
+        for i, bucket in enumerate(self.buckets):
+            bucket.init_shard(device)
+            dtype = self.mp.param_dtype or bucket.dtype
+            full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
+            full.untyped_storage().resize_(0)
+            full.requires_grad_(bucket.requires_grad)
+            if bucket.requires_grad:
+                full.register_post_accumulate_grad_hook(self._make_post_backward(i))
+            self.full.append(full)
+            self.full_data.append(full.data)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return bool(self.reshard_after_forward)
+
+    @property
+    def transient(self) -> bool:
+        """Freed between uses, so it counts towards the in-flight bound."""
+        return self.reshards_after_forward
+
+    # ---- unshard / reshard -------------------------------------------------------------------------
+    def unshard(self, async_op: bool = True) -> None:
+        """Issue the all-gathers of every bucket (no-op if unsharded or already in flight)."""
+        if self.unsharded or self.pending_unshard is not None:
+            return
+        RECORDER.add("all_gather.issue", self.name)
+        with torch.profiler.record_function(f"fsdp_ext::all_gather[{self.name or 'root'}]"):
+            self.pending_unshard = self.schedule.streams.launch(
+                "all_gather", self._all_gather_fn, keep_alive=[])
+        if not async_op:
+            self.wait_unshard()
+
+    def _all_gather_fn(self, async_op: bool) -> list:
+        works = []
+        chunks = self.post_forward_chunks
+        for i, (bucket, full) in enumerate(zip(self.buckets, self.full_data)):
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            if chunks is not None:  # regather from the smaller post-forward group
+                source, slot, group = chunks[i], self.groups.post_forward_rank, self.groups.post_forward
+            else:
+                source, slot, group = bucket.shard, self.groups.shard_rank, self.groups.shard
+            ops.cast_into_slot(source, full, slot)
+            if group is not None:
+                slot_view = full.narrow(0, slot * source.numel(), source.numel())
+                works.append(comm.all_gather_into(full, slot_view, group, async_op))
+        self.post_forward_chunks = None
+        return works
+
+    def wait_unshard(self) -> None:
+        if self.pending_unshard is not None:
+            with span("all_gather.wait", self.name):
+                self.pending_unshard.wait()
+            self.pending_unshard = None
+            self.unsharded = True
+
+    def reshard(self) -> None:
+        """Free the unsharded buffers (after any all-gather into them finished)."""
+        self.wait_unshard()
+        if not self.unsharded:
+            return
+        k = self.groups.post_forward_size
+        keep_chunk = (k > 1 and self.groups.post_forward is not None and self.schedule.in_forward
+                      and torch.is_grad_enabled())
+        if keep_chunk:  # reshard_after_forward=k: keep 1/k of the unit for a cheaper regather
+            j = self.groups.post_forward_rank
+            self.post_forward_chunks = [
+                full.narrow(0, j * (full.numel() // k), full.numel() // k).clone()
+                for full in self.full_data]
+        for full in self.full_data:
+            full.untyped_storage().resize_(0)
+        self.unsharded = False
+        RECORDER.add("reshard", self.name)
+
+    def use_unsharded_params(self) -> None:
+        """Point every module attribute at a view of the gathered buffers (no copy-out)."""
+        for bucket, full in zip(self.buckets, self.full):
+            pieces = full.split(bucket.split_sizes)
+            for slot, index in zip(bucket.slots, bucket.piece_indices):
+                view = pieces[index].view(slot.shape)
+                for module, attr in slot.locations:
+                    module._parameters[attr] = view
+
+    def use_sharded_params(self) -> None:
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                for module, attr in slot.locations:
+                    module._parameters[attr] = slot.param
+
+    # ---- forward hooks ----------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        schedule = self.schedule or _become_root(self)
+        if schedule.in_backward():  # recomputation (activation checkpointing) inside backward
+            self.unshard(async_op=False)
+            self.use_unsharded_params()
+            return cast_floating((args, kwargs), self._input_dtype())
+        if self.is_root:
+            schedule.root_pre_forward()
+        schedule.record_forward(self)
+        RECORDER.add("forward.begin", self.name)
+        self.unshard()
+        self.wait_unshard()
+        schedule.prefetch_forward(self)
+        self.use_unsharded_params()
+        return cast_floating((args, kwargs), self._input_dtype())
+
+    def _post_forward(self, module, args, kwargs, output):
+        schedule = self.schedule
+        self.use_sharded_params()
+        if schedule.in_backward():
+            return None
+        RECORDER.add("forward.end", self.name)
+        output = cast_floating(output, self.mp.output_dtype)
+        if torch.is_grad_enabled():
+            hooked = self._register_pre_backward(output)
+            needs_params = any(b.requires_grad for b in self.buckets)
+            if self.reshards_after_forward and not schedule.is_last_in_forward(self) and (
+                    hooked or not needs_params):
+                self.reshard()
+        else:
+            self.reshard()  # no backward follows: free even the root
+        if self.is_root:
+            schedule.root_post_forward()
+        return output
+
+    def _input_dtype(self):
+        return self.mp.param_dtype if self.mp.cast_forward_inputs else None
+
+    # ---- backward hooks ---------------------------------------------------------------------------
+    def _register_pre_backward(self, output) -> bool:
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(self._pre_backward)
+        return bool(tensors)
+
+    def _pre_backward(self, grad):
+        schedule = self.schedule
+        schedule.backward_started()
+        if self.pre_backward_done:
+            return None
+        self.pre_backward_done = True
+        RECORDER.add("backward.begin", self.name)
+        self.unshard()
+        self.wait_unshard()
+        schedule.prefetch_backward(self, "pre")
+        return None
+
+    def _make_post_backward(self, bucket_index: int):
+        def hook(full: torch.Tensor) -> None:
+            self._post_backward_bucket(bucket_index, full)
+        return hook
+
+    def _post_backward_bucket(self, i: int, full: torch.Tensor) -> None:
+        schedule = self.schedule
+        if self.requires_gradient_sync:
+            grad, full.grad = full.grad, None
+            self._reduce_scatter(i, grad)
+        self.grad_buckets_reduced += 1
+        if self.grad_buckets_reduced == sum(b.requires_grad for b in self.buckets):
+            RECORDER.add("backward.end", self.name)
+            self.reshard()
+            schedule.prefetch_backward(self, "post")
+
+    def _reduce_scatter(self, i: int, grad: torch.Tensor) -> None:
+        """Pack (cast + pre-divide) the flat gradient, reduce-scatter, all-reduce over replicas."""
+        bucket, groups = self.buckets[i], self.groups
+        reduce_dtype = self.mp.reduce_dtype or grad.dtype
+        pre, post = divide_factors(groups.data_parallel_size)
+        record = {}
+
+        def fn(async_op: bool) -> list:
+            if reduce_dtype == grad.dtype and pre == 1.0:
+                rs_input = grad
+            else:
+                rs_input = torch.empty(grad.numel(), dtype=reduce_dtype, device=grad.device)
+                ops.pack([grad], [0], rs_input, 0, 1.0 / pre)
+            if groups.shard is None:
+                output, works = rs_input, []
+            else:
+                output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=grad.device)
+                replicated = groups.replicate is not None
+                works = [comm.reduce_scatter_sum(output, rs_input, groups.shard,
+                                                 async_op and not replicated)]
+            if groups.replicate is not None:
+                works = [comm.all_reduce_sum(output, groups.replicate, async_op)]
+            record.update(output=output, keep=[grad, rs_input])
+            return works
+
+        RECORDER.add("reduce_scatter.issue", self.name)
+        with torch.profiler.record_function(f"fsdp_ext::reduce_scatter[{self.name or 'root'}]"):
+            pending = self.schedule.streams.launch("reduce_scatter", fn, keep_alive=[])
+        pending.keep_alive.extend(record["keep"])
+
+        def finish() -> None:
+            with span("reduce_scatter.wait", self.name):
+                pending.wait()
+            accumulate = bucket.sync_param_grads_into_buffer()
+            ops.grad_epilogue(record["output"], bucket.grad_shard, 1.0 / post, accumulate)
+            bucket.attach_grads()
+
+        self.schedule.add_pending_reduce_scatter(finish)
+
+    def reset_backward_state(self) -> None:
+        self.pre_backward_done = False
+        self.grad_buckets_reduced = 0
+
+
+def _become_root(unit: Unit) -> "Schedule":
+    from .schedule import Schedule
+    return Schedule.create(unit)
+
+
+def _build_buckets(module: nn.Module, groups: comm.Groups) -> list[Bucket]:
+    """Group the parameters this unit owns (not those of child units) by (dtype, requires_grad)."""
+    slots: dict[int, ParamSlot] = {}
+    child_owner: dict[int, str] = {}
+    stack = [(module, "")]
+    while stack:
+        mod, prefix = stack.pop()
+        for attr, param in mod._parameters.items():
+            if param is None:
+                continue
+            fqn = prefix + attr
+            if id(param) in child_owner:
+                raise ValueError(
+                    f"parameter '{fqn}' is shared with '{child_owner[id(param)]}', which belongs to "
+                    "another fully_shard unit; tied weights must live in one unit (wrap their "
+                    "common parent instead)")
+            if id(param) in slots:
+                slots[id(param)].locations.append((mod, attr))
+                continue
+            _check_param(param, fqn, module)
+            slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape, 0)
+        for name, child in reversed(list(mod._modules.items())):
+            if child is None:
+                continue
+            child_unit = unit_of(child)
+            if child_unit is not None:
+                for bucket in child_unit.buckets:
+                    for slot in bucket.slots:
+                        child_owner[id(slot.param)] = prefix + name + "." + slot.fqn
+                continue
+            stack.append((child, prefix + name + "."))
+    for pid, owner in child_owner.items():
+        if pid in slots:
+            raise ValueError(f"parameter '{slots[pid].fqn}' is shared with '{owner}', which "
+                             "belongs to another fully_shard unit; tied weights must live in one unit")
+    groups_by_key: dict[tuple, list[ParamSlot]] = {}
+    for slot in slots.values():  # visit order: a module's own parameters, then its children's
+        groups_by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
+    return [Bucket(dtype, requires_grad, bucket_slots, groups.shard_size, groups.shard_rank)
+            for (dtype, requires_grad), bucket_slots in groups_by_key.items()]
+
+
+def _check_param(param: nn.Parameter, fqn: str, module: nn.Module) -> None:
+    where = f"parameter '{fqn}' of {type(module).__name__}"
+    if not torch.is_floating_point(param) or param.dtype not in ops.checks.FLOAT_DTYPES:
+        raise TypeError(f"{where} has dtype {param.dtype}; fsdp_ext shards fp32/bf16/fp16 only")
