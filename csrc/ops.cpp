@@ -1,0 +1,30 @@
+// The op schemas (declared once, here) and the Python module shell fsdp_ext._C.
+//
+// Kernels register against these schemas in csrc/cpu/flat_param.cpp (CPU) and
+// csrc/cuda/flat_param.cu (CUDA); the semantics are fsdp_ext/ops/reference.py, and the fake
+// (meta) implementations used by torch.compile live in fsdp_ext/ops/fake.py.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(fsdp_ext, m) {
+  // Tracing an op that needs a fake implementation tells the user to import this module.
+  m.set_python_module("fsdp_ext.ops.fake");
+  // Window semantics: `out` holds the flat elements [out_offset, out_offset + out.numel()); every
+  // element of the window is written, cast(src * scale) where a source covers it, else zero.
+  m.def(
+      "pack(Tensor[] srcs, int[] offsets, Tensor(a!) out, int out_offset=0, float scale=1.0) "
+      "-> ()");
+  // `src` holds the flat elements [src_offset, src_offset + src.numel()); only the parts of
+  // `outs` inside that window are written.
+  m.def("unpack(Tensor src, int src_offset, int[] offsets, Tensor(a!)[] outs) -> ()");
+  // gathered[slot * n, (slot + 1) * n) = cast(shard), n = shard.numel(): the all-gather copy-in.
+  m.def("cast_into_slot(Tensor shard, Tensor(a!) gathered, int slot) -> ()");
+  // out = cast((out if accumulate else 0) + reduced * scale), in fp32: the gradient epilogue.
+  m.def("grad_epilogue(Tensor reduced, Tensor(a!) out, float scale, bool accumulate) -> ()");
+}
+
+// Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself
+// exposes nothing.
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "fsdp_ext compiled ops; use torch.ops.fsdp_ext.* (see fsdp_ext.ops)";
+}
