@@ -18,6 +18,7 @@ from . import checks, reference
 
 try:
     from fsdp_ext import _C  # noqa: F401  (importing registers torch.ops.fsdp_ext.*)
+    from . import fake  # noqa: F401  (fake implementations, for torch.compile)
     HAVE_EXTENSION = True
 except ImportError:  # not built: fall back to the reference
     HAVE_EXTENSION = False
