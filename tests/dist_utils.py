@@ -1,0 +1,56 @@
+"""Run a function on N gloo ranks (one process each) and fail the test if any rank fails.
+
+One launch per world size runs many checks: spawning a rank costs seconds (importing torch), so
+tests group their cases into one worker function instead of launching per assertion.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        # Print before raising: mp.spawn shows only the first failing rank's traceback.
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; re-raise any rank's failure."""
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args, timeout_s), nprocs=world_size,
+             join=True)
+
+
+def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's share of a global batch (dim 0 split evenly)."""
+    per_rank = batch.shape[0] // world_size
+    return batch[rank * per_rank:(rank + 1) * per_rank]
+
+
+def global_mean(value: torch.Tensor) -> torch.Tensor:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value / dist.get_world_size()
