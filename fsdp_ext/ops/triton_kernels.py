@@ -1,0 +1,393 @@
+"""Triton kernels for pack, unpack, cast_into_slot and grad_epilogue (semantics: reference.py).
+
+Every op is one launch, whatever the number of tensors, over the flat window in blocks of
+BLOCK_SIZE elements.
+
+Bits, not floats. Kernels read and write fp32 data as 32-bit integers and bf16/fp16 as 16-bit
+integers, and round to bf16/fp16 (nearest even) with integer operations. That gives the same bits on
+a GPU and in the CPU interpreter (TRITON_INTERPRET=1), whose own fp32->bf16 cast truncates.
+Widening to fp32 is exact everywhere; `x * scale` is one fp32 multiply; the epilogue is launched with
+fp fusion off so that `out + x * scale` rounds twice, like the reference.
+
+Many tensors, one launch. Triton cannot take a list of pointers, so pack and unpack pass a small
+int64 *segment table* (the idea of the Triton grouped-GEMM tutorial and of ATen's `_chunk_cat`):
+the window is cut into segments that tile it in order, each with its start in the window, the byte
+address of its first element in the other tensor (`data_ptr()`), and a kind code for that tensor's
+dtype; uncovered stretches are GAP segments. Kernels cast an address to a typed pointer
+(`int64.to(tl.pointer_type(...))`). This works in the interpreter, where addresses are host
+addresses, and on a GPU, where they are global-memory addresses. (Grouping sources by dtype would
+not help: it still needs one pointer per tensor.) A block inside one segment uses scalar metadata;
+a block that straddles segments finds each lane's segment by binary search in the table.
+
+torch.compile: a kernel that dereferences a pointer table cannot be traced (the addresses come from
+`data_ptr()`, and inductor could not see which tensors it reads or writes), so pack and unpack are
+opaque `custom_op`s. cast_into_slot and grad_epilogue, whose tensors are all kernel arguments, are
+traceable `triton_op`s.
+
+Kernels use only builtins of triton.language (no @jit helpers from its standard library), so they
+also run in the interpreter when triton was imported before TRITON_INTERPRET=1 was set.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import custom_op, triton_op, wrap_triton
+
+BLOCK_SIZE = 1024  # elements per program
+
+# Dtype kind codes, shared by the host tables and the kernels.
+KIND_F32: tl.constexpr = tl.constexpr(0)
+KIND_BF16: tl.constexpr = tl.constexpr(1)
+KIND_F16: tl.constexpr = tl.constexpr(2)
+KIND_GAP: tl.constexpr = tl.constexpr(3)  # no tensor: pack writes zeros, unpack writes nothing
+_KIND_OF = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+# ---- conversions between raw bits and fp32 ---------------------------------------------------
+
+@triton.jit
+def _bf16_bits_from_f32(x):
+    """Round fp32 to bf16 (nearest even) on bits; NaN stays a (quiet) NaN, inf stays inf."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, (bits >> 16) | 0x40, rounded).to(tl.uint16)
+
+
+@triton.jit
+def _f16_bits_from_f32(x):
+    """Round fp32 to fp16 (nearest even) on bits: overflow -> inf, exact subnormals, NaN -> NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 16) & 0x8000
+    mag = bits & 0x7FFFFFFF
+    # Normal results: drop 13 mantissa bits with round-half-even, rebias the exponent (127 -> 15);
+    # a mantissa carry correctly bumps the exponent.
+    normal = ((mag + (0xFFF + ((mag >> 13) & 1))) >> 13) - (112 << 10)
+    # Subnormal results (|x| < 2**-14): the value in units of 2**-24 is mantissa * 2**(exp - 126).
+    # Shifts past 25 all round to zero, so clamping keeps them in range on every target.
+    mantissa = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(126 - (mag >> 23).to(tl.int32), 14), 25).to(tl.uint32)
+    quotient = mantissa >> shift
+    remainder = mantissa & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
+    subnormal = quotient + round_up.to(tl.uint32)
+    result = tl.where(mag >= 0x38800000, normal, subnormal)
+    result = tl.where(mag >= 0x477FF000, 0x7C00, result)  # >= 65520 rounds to inf
+    result = tl.where(mag > 0x7F800000, 0x7E00 | (mag >> 13), result)
+    return (result | sign).to(tl.uint16)
+
+
+@triton.jit
+def _f32_from_bits16(bits, is_bf16):
+    """Widen bf16 or fp16 bits (uint16) to fp32, exactly; `is_bf16` picks the format per lane."""
+    from_bf16 = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    from_f16 = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.where(is_bf16, from_bf16, from_f16)
+
+
+@triton.jit
+def _f32_from_raw(raw, KIND: tl.constexpr):
+    """Widen int32/int16 bits of a tensor of kind KIND to fp32."""
+    if KIND == KIND_F32:
+        return raw.to(tl.float32, bitcast=True)
+    else:
+        return _f32_from_bits16(raw.to(tl.uint16, bitcast=True), KIND == KIND_BF16)
+
+
+@triton.jit
+def _load_f32(ptr, mask, KIND: tl.constexpr):
+    """Load elements of a tensor passed as int32/int16 bits and widen them to fp32."""
+    return _f32_from_raw(tl.load(ptr, mask=mask, other=0), KIND)
+
+
+@triton.jit
+def _store_f32(ptr, x, mask, KIND: tl.constexpr):
+    """Round fp32 values to KIND and store them into a tensor passed as int32/int16 bits."""
+    if KIND == KIND_F32:
+        tl.store(ptr, x.to(tl.int32, bitcast=True), mask=mask)
+    elif KIND == KIND_BF16:
+        tl.store(ptr, _bf16_bits_from_f32(x).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, _f16_bits_from_f32(x).to(tl.int16, bitcast=True), mask=mask)
+
+
+# ---- segment tables ----------------------------------------------------------------------------
+
+@triton.jit
+def _segment_at(starts_ptr, num_segments, position):
+    """Scalar binary search: the last segment s with starts[s] <= position."""
+    lo = tl.full([], 0, tl.int64)
+    hi = (num_segments - 1).to(tl.int64)
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        below = tl.load(starts_ptr + mid) <= position
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _segments_at(starts_ptr, first, last, positions):
+    """Per-lane binary search restricted to segments [first, last]; ceil(log2(span)) steps."""
+    lo = tl.broadcast_to(first, positions.shape)
+    hi = tl.broadcast_to(last, positions.shape)
+    span = last - first
+    while span > 0:
+        mid = (lo + hi + 1) >> 1
+        below = tl.load(starts_ptr + mid) <= positions
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+        span = span >> 1
+    return lo
+
+
+@triton.jit
+def _pack_block(out_ptr, idx, mask, seg, table_ptr, table_stride, scale,
+                OUT_KIND: tl.constexpr, APPLY_SCALE: tl.constexpr):
+    """Pack the block's elements from segment(s) `seg` (one scalar, or one per lane)."""
+    start = tl.load(table_ptr + seg)
+    address = tl.load(table_ptr + table_stride + seg)
+    kind = tl.load(table_ptr + 2 * table_stride + seg)
+    elem = idx - start  # element index inside the source tensor
+    is_f32 = kind == KIND_F32
+    is_16 = (kind == KIND_BF16) | (kind == KIND_F16)
+    # Masked loads: a lane reads only through the pointer type of its own source, never a GAP.
+    w32 = tl.load(address.to(tl.pointer_type(tl.uint32)) + elem, mask=mask & is_f32, other=0)
+    w16 = tl.load(address.to(tl.pointer_type(tl.uint16)) + elem, mask=mask & is_16, other=0)
+    x = tl.where(is_f32, w32.to(tl.float32, bitcast=True), _f32_from_bits16(w16, kind == KIND_BF16))
+    if APPLY_SCALE:
+        x = x * scale
+    x = tl.where(kind == KIND_GAP, 0.0, x)  # after scaling: 0 * -1 or 0 * inf must not leak
+    _store_f32(out_ptr + idx, x, mask, OUT_KIND)
+
+
+@triton.jit
+def _pack_kernel(
+    table_ptr,     # int64 [3, table_stride]: segment starts in the window (+ end sentinel),
+                   #   source byte addresses, source kinds
+    table_stride,  # number of segments + 1
+    out_ptr,       # [n] output window, as int32 (fp32) or int16 (bf16/fp16) bits
+    n,             # elements in the window
+    scale,         # fp32 factor for every source element (used when APPLY_SCALE)
+    OUT_KIND: tl.constexpr,     # kind code of out
+    APPLY_SCALE: tl.constexpr,  # scale != 1
+    BLOCK: tl.constexpr,        # elements per program
+):
+    block_start = tl.program_id(0).to(tl.int64) * BLOCK
+    idx = block_start + tl.arange(0, BLOCK)
+    mask = idx < n
+    first = _segment_at(table_ptr, table_stride - 1, block_start)
+    last = _segment_at(table_ptr, table_stride - 1, tl.minimum(block_start + BLOCK, n) - 1)
+    if first == last:
+        # Block inside one tensor (the bulk of large units): scalar metadata, contiguous loads.
+        _pack_block(out_ptr, idx, mask, first, table_ptr, table_stride, scale, OUT_KIND, APPLY_SCALE)
+    else:
+        seg = _segments_at(table_ptr, first, last, idx)
+        _pack_block(out_ptr, idx, mask, seg, table_ptr, table_stride, scale, OUT_KIND, APPLY_SCALE)
+
+
+@triton.jit
+def _unpack_block(x, raw, idx, mask, seg, table_ptr, table_stride, SRC_KIND: tl.constexpr):
+    """Store the block's fp32 values `x` (raw source bits `raw`) into segment(s) `seg`."""
+    start = tl.load(table_ptr + seg)
+    address = tl.load(table_ptr + table_stride + seg)
+    kind = tl.load(table_ptr + 2 * table_stride + seg)
+    elem = idx - start  # element index inside the destination tensor
+    is_16 = (kind == KIND_BF16) | (kind == KIND_F16)
+    bits16 = tl.where(kind == KIND_BF16, _bf16_bits_from_f32(x), _f16_bits_from_f32(x))
+    if SRC_KIND != KIND_F32:
+        bits16 = tl.where(kind == SRC_KIND, raw.to(tl.uint16, bitcast=True), bits16)  # same dtype: copy
+    tl.store(address.to(tl.pointer_type(tl.uint32)) + elem, x.to(tl.uint32, bitcast=True),
+             mask=mask & (kind == KIND_F32))
+    tl.store(address.to(tl.pointer_type(tl.uint16)) + elem, bits16, mask=mask & is_16)
+
+
+@triton.jit
+def _unpack_kernel(
+    src_ptr,       # [n] source window, as int32 (fp32) or int16 (bf16/fp16) bits
+    table_ptr,     # int64 [3, table_stride]: segment starts in the window (+ end sentinel),
+                   #   destination byte addresses, destination kinds
+    table_stride,  # number of segments + 1
+    n,             # elements in the window
+    SRC_KIND: tl.constexpr,  # kind code of src
+    BLOCK: tl.constexpr,     # elements per program
+):
+    block_start = tl.program_id(0).to(tl.int64) * BLOCK
+    idx = block_start + tl.arange(0, BLOCK)
+    mask = idx < n
+    raw = tl.load(src_ptr + idx, mask=mask, other=0)
+    x = _f32_from_raw(raw, SRC_KIND)
+    first = _segment_at(table_ptr, table_stride - 1, block_start)
+    last = _segment_at(table_ptr, table_stride - 1, tl.minimum(block_start + BLOCK, n) - 1)
+    if first == last:
+        _unpack_block(x, raw, idx, mask, first, table_ptr, table_stride, SRC_KIND)
+    else:
+        seg = _segments_at(table_ptr, first, last, idx)
+        _unpack_block(x, raw, idx, mask, seg, table_ptr, table_stride, SRC_KIND)
+
+
+@triton.jit
+def _cast_kernel(
+    src_ptr,  # [n] input, as int32/int16 bits
+    dst_ptr,  # [n] output, as int32/int16 bits
+    n,        # elements
+    SRC_KIND: tl.constexpr,  # kind code of src
+    DST_KIND: tl.constexpr,  # kind code of dst
+    BLOCK: tl.constexpr,     # elements per program
+):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    if SRC_KIND == DST_KIND:
+        tl.store(dst_ptr + idx, tl.load(src_ptr + idx, mask=mask), mask=mask)  # exact copy
+    else:
+        _store_f32(dst_ptr + idx, _load_f32(src_ptr + idx, mask, SRC_KIND), mask, DST_KIND)
+
+
+@triton.jit
+def _epilogue_kernel(
+    reduced_ptr,  # [n] reduced gradient, as int32/int16 bits
+    out_ptr,      # [n] gradient shard, as int32/int16 bits; read too when ACCUMULATE
+    n,            # elements
+    scale,        # fp32 factor for the reduced values (used when APPLY_SCALE)
+    IN_KIND: tl.constexpr,      # kind code of reduced
+    OUT_KIND: tl.constexpr,     # kind code of out
+    APPLY_SCALE: tl.constexpr,  # scale != 1
+    ACCUMULATE: tl.constexpr,   # add to out instead of overwriting it
+    BLOCK: tl.constexpr,        # elements per program
+):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    x = _load_f32(reduced_ptr + idx, mask, IN_KIND)
+    if APPLY_SCALE:
+        x = x * scale
+    if ACCUMULATE:
+        x = _load_f32(out_ptr + idx, mask, OUT_KIND) + x  # launched without fp fusion: no fma
+    _store_f32(out_ptr + idx, x, mask, OUT_KIND)
+
+
+# ---- host side -----------------------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's storage as integers of the same width, which is how the kernels see data."""
+    return t.reshape(-1).view(_BITS_DTYPE[t.dtype])
+
+
+def _fp32(value: float) -> float:
+    """Round to fp32 on the host, so the kernel multiplies by the same factor as the reference."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _segment_table(tensors: Sequence[torch.Tensor], offsets: Sequence[int], window_start: int,
+                   window_len: int, device: torch.device) -> torch.Tensor:
+    """int64 [3, S+1]: starts (window coordinates, end sentinel), byte addresses, kinds of the
+    S segments that tile [0, window_len): the clipped tensors in flat order, and GAPs between."""
+    window_end = window_start + window_len
+    pieces = []
+    for t, off in zip(tensors, offsets):
+        start, end = max(off, window_start), min(off + t.numel(), window_end)
+        if start < end:
+            address = t.data_ptr() + (start - off) * t.element_size()
+            pieces.append((start - window_start, end - window_start, address, _KIND_OF[t.dtype]))
+    pieces.sort()
+    starts, addresses, kinds = [], [], []
+    cursor = 0
+    for start, end, address, kind in pieces:
+        if start > cursor:
+            starts.append(cursor), addresses.append(0), kinds.append(int(KIND_GAP))
+        starts.append(start), addresses.append(address), kinds.append(kind)
+        cursor = end
+    if cursor < window_len:
+        starts.append(cursor), addresses.append(0), kinds.append(int(KIND_GAP))
+    starts.append(window_len)
+    addresses.append(0), kinds.append(int(KIND_GAP))  # pad the rows to the same length
+    # From pageable memory, a non_blocking copy is staged before returning: safe to drop the list.
+    return torch.tensor([starts, addresses, kinds], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, BLOCK_SIZE),)
+
+
+@custom_op("fsdp_ext::triton_pack", mutates_args=("out",))
+def _pack_op(srcs: list[torch.Tensor], offsets: list[int], out: torch.Tensor, out_offset: int,
+             scale: float) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    table = _segment_table(srcs, offsets, out_offset, n, out.device)
+    _pack_kernel[_grid(n)](table, table.shape[1], _bits(out), n, _fp32(scale),
+                           OUT_KIND=_KIND_OF[out.dtype], APPLY_SCALE=scale != 1.0, BLOCK=BLOCK_SIZE)
+
+
+@_pack_op.register_fake
+def _(srcs, offsets, out, out_offset, scale):
+    return None
+
+
+@custom_op("fsdp_ext::triton_unpack", mutates_args=("outs",))
+def _unpack_op(src: torch.Tensor, src_offset: int, offsets: list[int],
+               outs: list[torch.Tensor]) -> None:
+    n = src.numel()
+    if n == 0:
+        return
+    table = _segment_table(outs, offsets, src_offset, n, src.device)
+    _unpack_kernel[_grid(n)](_bits(src), table, table.shape[1], n, SRC_KIND=_KIND_OF[src.dtype],
+                             BLOCK=BLOCK_SIZE)
+
+
+@_unpack_op.register_fake
+def _(src, src_offset, offsets, outs):
+    return None
+
+
+@triton_op("fsdp_ext::triton_cast_into_slot", mutates_args=("gathered",))
+def _cast_into_slot_op(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> None:
+    n = shard.numel()
+    if n == 0:
+        return
+    dst = gathered.view(-1).narrow(0, slot * n, n)
+    wrap_triton(_cast_kernel)[_grid(n)](_bits(shard), _bits(dst), n, SRC_KIND=_KIND_OF[shard.dtype],
+                                        DST_KIND=_KIND_OF[gathered.dtype], BLOCK=BLOCK_SIZE)
+
+
+@triton_op("fsdp_ext::triton_grad_epilogue", mutates_args=("out",))
+def _grad_epilogue_op(reduced: torch.Tensor, out: torch.Tensor, scale: float,
+                      accumulate: bool) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    # enable_fp_fusion=False: `out + x * scale` must round twice, like the reference, not be an fma.
+    wrap_triton(_epilogue_kernel)[_grid(n)](
+        _bits(reduced), _bits(out), n, _fp32(scale), IN_KIND=_KIND_OF[reduced.dtype],
+        OUT_KIND=_KIND_OF[out.dtype], APPLY_SCALE=scale != 1.0, ACCUMULATE=accumulate,
+        BLOCK=BLOCK_SIZE, enable_fp_fusion=False)
+
+
+# ---- entry points used by fsdp_ext.ops (arguments already checked) -------------------------------
+
+def pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
+         out_offset: int = 0, scale: float = 1.0) -> None:
+    """See reference.pack. One launch over the output window."""
+    torch.ops.fsdp_ext.triton_pack(list(srcs), [int(o) for o in offsets], out, int(out_offset),
+                                   float(scale))
+
+
+def unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
+           outs: Sequence[torch.Tensor]) -> None:
+    """See reference.unpack. One launch over the source window."""
+    torch.ops.fsdp_ext.triton_unpack(src, int(src_offset), [int(o) for o in offsets], list(outs))
+
+
+def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> None:
+    """See reference.cast_into_slot."""
+    torch.ops.fsdp_ext.triton_cast_into_slot(shard, gathered, int(slot))
+
+
+def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+    """See reference.grad_epilogue."""
+    torch.ops.fsdp_ext.triton_grad_epilogue(reduced, out, float(scale), bool(accumulate))

@@ -1,0 +1,280 @@
+"""Triton kernels against the plain-torch reference, bit for bit.
+
+Without a GPU the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before
+`@triton.jit` decorates them (and best before triton is first imported), hence at the very top.
+Pytest imports every test module before running any, so the variable is visible to the whole session;
+that is harmless here (only these tests use Triton on CPU), and a module fixture restores it after
+this module's tests. Set TRITON_INTERPRET=0 on a CUDA machine to test the compiled kernels instead.
+"""
+import os
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import itertools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from fsdp_ext import ops  # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+# The interpreter evaluates with numpy, which warns on inf * 0 and inf - inf (NaN is expected there).
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_PAIRS = list(itertools.product(DTYPES, DTYPES))
+SCALES = (1.0, -0.37)
+_INT_OF_WIDTH = {4: torch.int32, 2: torch.int16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_interpret_variable():
+    yield
+    if _PREVIOUS_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal values, NaN where NaN (its payload may differ), and equal bits elsewhere (so -0 != +0)."""
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    width = _INT_OF_WIDTH[expected.element_size()]
+    assert torch.equal(actual.view(width)[~nan], expected.view(width)[~nan])
+
+
+def stress_values(n: int, seed: int = 0) -> torch.Tensor:
+    """fp32 values that stress rounding: for every exponent, mantissas at and around the bf16 and
+    fp16 (normal and subnormal) rounding ties, both signs; plus random bit patterns (NaNs, infs,
+    subnormals) and ordinary normals. Shuffled, first n."""
+    exponents = torch.arange(256, dtype=torch.int32) << 23
+    low = torch.tensor([0, 1, 0xFFF, 0x1000, 0x1001, 0x3000, 0x7FFF, 0x8000, 0x8001, 0x18000,
+                        0x7FFFFF, 0x7FF000], dtype=torch.int32)
+    high = torch.tensor([0, 1 << 13, 1 << 16, 0x7FE000], dtype=torch.int32)
+    structured = (exponents[:, None, None] | low[None, :, None] | high[None, None, :]).reshape(-1)
+    structured = torch.cat([structured, structured | torch.iinfo(torch.int32).min])
+    gen = torch.Generator().manual_seed(seed)
+    random_bits = torch.randint(-2**31, 2**31, (4096,), generator=gen, dtype=torch.int64).int()
+    values = torch.cat([structured.view(torch.float32), random_bits.view(torch.float32),
+                        torch.randn(4096, generator=gen) * 70000,
+                        torch.tensor([65504.0, 65519.996, 65520.0, 2.0**-24, 2.0**-25, 0.0, -0.0])])
+    return values[torch.randperm(values.numel(), generator=gen)][:n].to(DEVICE)
+
+
+def every_16bit_pattern(dtype: torch.dtype) -> torch.Tensor:
+    """All 65536 bf16 or fp16 values, NaNs and infs included."""
+    return torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype).to(DEVICE)
+
+
+def make_sources(sizes, dtypes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=gen) * 3).to(dt).to(DEVICE) for s, dt in zip(sizes, dtypes)]
+
+
+def run_both(op, *args_per_backend):
+    """Call `op` with backend triton on the first argument set and torch on the second."""
+    op(*args_per_backend[0], backend="triton")
+    op(*args_per_backend[1], backend="torch")
+
+
+# Sources with gaps between them, out of order, an empty and a one-element tensor, and sizes that
+# are not multiples of the kernel block (1024). Flat span: [0, 5200).
+SIZES = [700, 0, 1, 2500, 33, 3]
+OFFSETS = [4500, 10, 10, 1200, 20, 3900]
+# Windows (start, length): the whole span, clipped at both ends, inside one source, inside a gap,
+# a single element, and empty.
+WINDOWS = [(0, 5200), (1500, 3100), (1300, 900), (3800, 50), (10, 1), (100, 0)]
+
+
+@pytest.mark.parametrize("src_dtype,out_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_pack_matches_reference(src_dtype, out_dtype, scale):
+    srcs = make_sources(SIZES, [src_dtype] * len(SIZES))
+    for start, length in WINDOWS:
+        got = torch.full((length,), 7.0, dtype=out_dtype, device=DEVICE)  # pack must overwrite it all
+        want = got.clone()
+        run_both(ops.pack, (srcs, OFFSETS, got, start, scale), (srcs, OFFSETS, want, start, scale))
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("src_dtype,out_dtype", DTYPE_PAIRS)
+def test_unpack_matches_reference(src_dtype, out_dtype):
+    for start, length in WINDOWS:
+        src = (torch.randn(length) * 3).to(src_dtype).to(DEVICE)
+        # Sentinel contents: elements outside the window must stay untouched.
+        got = [torch.full((s,), -5.0, dtype=out_dtype, device=DEVICE) for s in SIZES]
+        want = [t.clone() for t in got]
+        run_both(ops.unpack, (src, start, OFFSETS, got), (src, start, OFFSETS, want))
+        for g, w in zip(got, want):
+            assert_same_bits(g, w)
+
+
+def test_pack_and_unpack_mixed_dtypes_and_shapes():
+    """Sources of different dtypes and ranks in one launch; unpack into different dtypes."""
+    srcs = make_sources([6, 1000, 129, 2048], [torch.bfloat16, torch.float32, torch.float16,
+                                               torch.float32])
+    srcs[1] = srcs[1].view(10, 100)
+    srcs[3] = srcs[3].view(2, 32, 32)
+    offsets = [3300, 0, 1100, 1229]
+    for out_dtype in DTYPES:
+        got = torch.empty(3400, dtype=out_dtype, device=DEVICE)
+        want = got.clone()
+        run_both(ops.pack, (srcs, offsets, got, 0, 0.5), (srcs, offsets, want, 0, 0.5))
+        assert_same_bits(got, want)
+        outs = [torch.zeros_like(s) for s in srcs]
+        outs_ref = [o.clone() for o in outs]
+        run_both(ops.unpack, (got[1000:], 1000, offsets, outs), (want[1000:], 1000, offsets, outs_ref))
+        for g, w in zip(outs, outs_ref):
+            assert_same_bits(g, w)
+
+
+def test_many_small_tensors():
+    """200 tensors of odd sizes: blocks that straddle many segments (per-lane segment search)."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 40, (200,), generator=gen).tolist()
+    dtypes = [DTYPES[i % 3] for i in range(200)]
+    srcs = make_sources(sizes, dtypes, seed=2)
+    offsets, cursor = [], 0
+    for s in sizes:
+        cursor += s % 3  # small gaps, sometimes none
+        offsets.append(cursor)
+        cursor += s
+    order = torch.randperm(200, generator=gen).tolist()  # offsets need not come in flat order
+    srcs, offsets = [srcs[i] for i in order], [offsets[i] for i in order]
+    for out_dtype in (torch.float32, torch.bfloat16):
+        for start, length in ((0, cursor), (555, cursor - 1000)):
+            got = torch.full((length,), 9.0, dtype=out_dtype, device=DEVICE)
+            want = got.clone()
+            run_both(ops.pack, (srcs, offsets, got, start, 2.0), (srcs, offsets, want, start, 2.0))
+            assert_same_bits(got, want)
+            outs = [torch.full_like(s, 4.0) for s in srcs]
+            outs_ref = [o.clone() for o in outs]
+            run_both(ops.unpack, (got, start, offsets, outs), (want, start, offsets, outs_ref))
+            for g, w in zip(outs, outs_ref):
+                assert_same_bits(g, w)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", DTYPE_PAIRS)
+def test_cast_into_slot_matches_reference(src_dtype, dst_dtype):
+    for numel, slot, slots in ((1500, 2, 4), (1, 0, 3), (0, 1, 2)):
+        shard = (torch.randn(numel) * 3).to(src_dtype).to(DEVICE)
+        got = torch.full((numel * slots,), 8.0, dtype=dst_dtype, device=DEVICE)
+        want = got.clone()
+        run_both(ops.cast_into_slot, (shard, got, slot), (shard, want, slot))
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("reduced_dtype,out_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_grad_epilogue_matches_reference(reduced_dtype, out_dtype, scale, accumulate):
+    for shape in ((37, 41), (1,), (0,)):
+        reduced = (torch.randn(shape) * 3).to(reduced_dtype).to(DEVICE)
+        got = torch.randn(shape).to(out_dtype).to(DEVICE)
+        want = got.clone()
+        run_both(ops.grad_epilogue, (reduced, got, scale, accumulate),
+                 (reduced, want, scale, accumulate))
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_rounding_of_awkward_values(dst_dtype):
+    """Ties to even, subnormals, fp16 overflow, inf and NaN: through every op that rounds."""
+    values = stress_values(40000)
+    n = values.numel()
+    for src in (values, every_16bit_pattern(torch.bfloat16), every_16bit_pattern(torch.float16)):
+        got = torch.zeros(src.numel(), dtype=dst_dtype, device=DEVICE)
+        want = got.clone()
+        run_both(ops.cast_into_slot, (src, got, 0), (src, want, 0))
+        assert_same_bits(got, want)
+    halves = [values[: n // 2], values[n // 2:]]
+    for scale in (1.0, 3.0e-3):
+        got = torch.zeros(n + 10, dtype=dst_dtype, device=DEVICE)
+        want = got.clone()
+        run_both(ops.pack, (halves, [n // 2 + 10, 0], got, 0, scale),
+                 (halves, [n // 2 + 10, 0], want, 0, scale))
+        assert_same_bits(got, want)
+    outs = [torch.zeros(n // 2, dtype=dst_dtype, device=DEVICE) for _ in range(2)]
+    outs_ref = [o.clone() for o in outs]
+    run_both(ops.unpack, (values, 0, [0, n // 2], outs), (values, 0, [0, n // 2], outs_ref))
+    for g, w in zip(outs, outs_ref):
+        assert_same_bits(g, w)
+    base = stress_values(n, seed=1).to(dst_dtype)
+    got, want = base.clone(), base.clone()
+    run_both(ops.grad_epilogue, (values, got, -1.0 / 3, True), (values, want, -1.0 / 3, True))
+    assert_same_bits(got, want)
+
+
+def test_opcheck():
+    """Schema, fake and autograd registration of the ops. cast_into_slot and grad_epilogue are
+    triton_ops whose fake kernel is their body: in the interpreter that body would run the kernel
+    on fake tensors, so only their schema is checked there."""
+    from fsdp_ext.ops import triton_kernels  # noqa: F401  (registers torch.ops.fsdp_ext.triton_*)
+
+    fsdp = torch.ops.fsdp_ext
+    srcs = make_sources([5, 7], [torch.float32, torch.bfloat16])
+    f32 = dict(device=DEVICE)
+    torch.library.opcheck(fsdp.triton_pack, (srcs, [0, 6], torch.empty(20, dtype=torch.float16,
+                                                                        device=DEVICE), 0, 0.5))
+    torch.library.opcheck(fsdp.triton_unpack, (torch.randn(20, **f32), 0, [0, 6],
+                                               [torch.empty(5, **f32), torch.empty(7, **f32)]))
+    utils = ("test_schema", "test_autograd_registration") if INTERPRET else None
+    kwargs = {"test_utils": utils} if utils else {}
+    torch.library.opcheck(fsdp.triton_cast_into_slot, (torch.randn(5, **f32),
+                          torch.empty(10, dtype=torch.bfloat16, device=DEVICE), 1), **kwargs)
+    torch.library.opcheck(fsdp.triton_grad_epilogue, (srcs[1], torch.randn(7, **f32), 0.5, True),
+                          **kwargs)
+
+
+# Compiles every kernel variant for an sm_90 GPU (no GPU needed): catches code that the permissive
+# interpreter accepts but the compiler rejects, and checks the epilogue really has no fma.
+_GPU_COMPILE_SCRIPT = r"""
+import itertools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fsdp_ext.ops import triton_kernels as tk
+
+def compile_(fn, signature, constexprs, **options):
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+bits = {0: "*i32", 1: "*i16", 2: "*i16"}
+for kind, other in itertools.product(range(3), range(3)):
+    compile_(tk._cast_kernel, {"src_ptr": bits[kind], "dst_ptr": bits[other], "n": "i32"},
+             {"SRC_KIND": kind, "DST_KIND": other, "BLOCK": 1024})
+for kind in range(3):
+    compile_(tk._pack_kernel, {"table_ptr": "*i64", "table_stride": "i32", "out_ptr": bits[kind],
+             "n": "i64", "scale": "fp32"}, {"OUT_KIND": kind, "APPLY_SCALE": True, "BLOCK": 1024})
+    compile_(tk._unpack_kernel, {"src_ptr": bits[kind], "table_ptr": "*i64", "table_stride": "i32",
+             "n": "i32"}, {"SRC_KIND": kind, "BLOCK": 1024})
+epilogue = compile_(tk._epilogue_kernel, {"reduced_ptr": "*i16", "out_ptr": "*i32", "n": "i32",
+                    "scale": "fp32"}, {"IN_KIND": 1, "OUT_KIND": 0, "APPLY_SCALE": True,
+                    "ACCUMULATE": True, "BLOCK": 1024}, enable_fp_fusion=False)
+assert "fma" not in epilogue.asm["ptx"], "epilogue must round the product before adding"
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_gpu():
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", _GPU_COMPILE_SCRIPT], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
