@@ -134,9 +134,5 @@ class Bucket:
                 view.copy_(g.reshape(-1))
         return True
 
-    def attach_grads(self) -> None:
-        for slot, view in zip(self.slots, self.grad_views):
-            slot.param.grad = view
-
     def sharded_bytes(self) -> int:
         return self.shard_numel * self.shard.element_size() if self.shard is not None else 0

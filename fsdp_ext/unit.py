@@ -5,13 +5,14 @@ The timeline of a unit in one training step (see README, "How it works"):
     pre_forward:   unshard (all-gather every bucket into its `full` buffer), parameters -> views
     post_forward:  parameters -> shard views again; free `full` unless kept for backward
     pre_backward:  (a hook on the forward outputs) unshard again if it was freed
-    post_backward: (a hook on `full` once autograd accumulated its gradient) reduce-scatter, free
+    post_backward: (the backward of the views) pack + reduce-scatter the gradients, free `full`
 
-`full` (one per bucket) is an autograd leaf. The forward sees `full.split(...)` views, so autograd
-hands back the whole padded, flat gradient in one tensor: the reduce-scatter input needs no packing
-beyond the optional cast. Freeing uses `untyped_storage().resize_(0)`, which keeps every view and
-every tensor autograd saved valid; the refill writes through `full.data`, a second alias with its own
-version counter, so autograd does not mistake the refill for an in-place edit of saved tensors.
+The views the forward sees come from `_UnshardedViews`, an autograd function whose backward receives
+the per-parameter gradients (None for parameters the forward did not use) and hands them to the
+gradient path (`grads.py`) instead of returning them to autograd. Freeing uses
+`untyped_storage().resize_(0)`, which keeps every view and every tensor autograd saved valid; the
+refill writes through `full.data`, an alias with its own version counter, so autograd does not
+mistake the refill for an in-place edit of the tensors it saved.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from torch.utils._pytree import tree_flatten
 
 from . import comm, ops
 from .flat_param import Bucket, ParamSlot
-from .mixed_precision import MixedPrecisionPolicy, cast_floating, divide_factors
+from .grads import BucketGrads, reduce_bucket
+from .mixed_precision import MixedPrecisionPolicy, cast_floating
 from .trace import RECORDER, span
 
 if TYPE_CHECKING:
@@ -34,6 +36,25 @@ UNIT_ATTR = "_fsdp_ext_unit"
 
 def unit_of(module: nn.Module) -> "Unit | None":
     return module.__dict__.get(UNIT_ATTR)
+
+
+class _UnshardedViews(torch.autograd.Function):
+    """Forward: the parameter views of the unit's trainable buckets. Backward: their gradients go
+    to the unit's gradient path; nothing flows back into the flat buffers."""
+
+    @staticmethod
+    def forward(ctx, unit: "Unit", *fulls: torch.Tensor):
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)  # unused parameters arrive as None, not zeros
+        views = []
+        for index, full in zip(unit.grad_bucket_indices, fulls):
+            views.extend(unit.bucket_views(index, full))
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward(grads)
+        return (None,) * (1 + len(ctx.unit.grad_bucket_indices))
 
 
 class Unit:
@@ -55,7 +76,8 @@ class Unit:
         self.pending_unshard: comm.Pending | None = None
         self.post_forward_chunks: list[torch.Tensor] | None = None
         self.pre_backward_done = False
-        self.grad_buckets_reduced = 0
+        self.grad_bucket_indices = [i for i, b in enumerate(self.buckets) if b.requires_grad]
+        self.bucket_grads = [BucketGrads() for _ in self.buckets]
         self._init_sharded_state()
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
@@ -65,14 +87,12 @@ class Unit:
     # ---- set-up -----------------------------------------------------------------------------------
     def _init_sharded_state(self) -> None:
         device = self.groups.device
-        for i, bucket in enumerate(self.buckets):
+        for bucket in self.buckets:
             bucket.init_shard(device)
             dtype = self.mp.param_dtype or bucket.dtype
             full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
             full.untyped_storage().resize_(0)
             full.requires_grad_(bucket.requires_grad)
-            if bucket.requires_grad:
-                full.register_post_accumulate_grad_hook(self._make_post_backward(i))
             self.full.append(full)
             self.full_data.append(full.data)
 
@@ -140,14 +160,30 @@ class Unit:
         self.unsharded = False
         RECORDER.add("reshard", self.name)
 
+    def bucket_views(self, index: int, full: torch.Tensor) -> list[torch.Tensor]:
+        bucket = self.buckets[index]
+        pieces = full.split(bucket.split_sizes)
+        return [pieces[i].view(slot.shape) for slot, i in zip(bucket.slots, bucket.piece_indices)]
+
     def use_unsharded_params(self) -> None:
         """Point every module attribute at a view of the gathered buffers (no copy-out)."""
-        for bucket, full in zip(self.buckets, self.full):
-            pieces = full.split(bucket.split_sizes)
-            for slot, index in zip(bucket.slots, bucket.piece_indices):
-                view = pieces[index].view(slot.shape)
+        views: dict[int, torch.Tensor] = {}
+        tracked = torch.is_grad_enabled() and self.grad_bucket_indices
+        if tracked:
+            fulls = [self.full[i] for i in self.grad_bucket_indices]
+            flat_views = iter(_UnshardedViews.apply(self, *fulls))
+            for i in self.grad_bucket_indices:
+                for slot in self.buckets[i].slots:
+                    views[id(slot)] = next(flat_views)
+        for i, (bucket, full) in enumerate(zip(self.buckets, self.full)):
+            if tracked and bucket.requires_grad:
+                continue
+            for slot, view in zip(bucket.slots, self.bucket_views(i, full)):
+                views[id(slot)] = view
+        for bucket in self.buckets:
+            for slot in bucket.slots:
                 for module, attr in slot.locations:
-                    module._parameters[attr] = view
+                    module._parameters[attr] = views[id(slot)]
 
     def use_sharded_params(self) -> None:
         for bucket in self.buckets:
@@ -205,73 +241,27 @@ class Unit:
     def _pre_backward(self, grad):
         schedule = self.schedule
         schedule.backward_started()
-        if self.pre_backward_done:
-            return None
-        self.pre_backward_done = True
-        RECORDER.add("backward.begin", self.name)
+        if not self.pre_backward_done:
+            self.pre_backward_done = True
+            RECORDER.add("backward.begin", self.name)
+        # Always make sure the parameters are there: a unit used twice in forward is freed after
+        # the backward of its later use and needed again for the earlier one.
         self.unshard()
         self.wait_unshard()
         schedule.prefetch_backward(self, "pre")
         return None
 
-    def _make_post_backward(self, bucket_index: int):
-        def hook(full: torch.Tensor) -> None:
-            self._post_backward_bucket(bucket_index, full)
-        return hook
-
-    def _post_backward_bucket(self, i: int, full: torch.Tensor) -> None:
-        schedule = self.schedule
-        if self.requires_gradient_sync:
-            grad, full.grad = full.grad, None
-            self._reduce_scatter(i, grad)
-        self.grad_buckets_reduced += 1
-        if self.grad_buckets_reduced == sum(b.requires_grad for b in self.buckets):
-            RECORDER.add("backward.end", self.name)
-            self.reshard()
-            schedule.prefetch_backward(self, "post")
-
-    def _reduce_scatter(self, i: int, grad: torch.Tensor) -> None:
-        """Pack (cast + pre-divide) the flat gradient, reduce-scatter, all-reduce over replicas."""
-        bucket, groups = self.buckets[i], self.groups
-        reduce_dtype = self.mp.reduce_dtype or grad.dtype
-        pre, post = divide_factors(groups.data_parallel_size)
-        record = {}
-
-        def fn(async_op: bool) -> list:
-            if reduce_dtype == grad.dtype and pre == 1.0:
-                rs_input = grad
-            else:
-                rs_input = torch.empty(grad.numel(), dtype=reduce_dtype, device=grad.device)
-                ops.pack([grad], [0], rs_input, 0, 1.0 / pre)
-            if groups.shard is None:
-                output, works = rs_input, []
-            else:
-                output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=grad.device)
-                replicated = groups.replicate is not None
-                works = [comm.reduce_scatter_sum(output, rs_input, groups.shard,
-                                                 async_op and not replicated)]
-            if groups.replicate is not None:
-                works = [comm.all_reduce_sum(output, groups.replicate, async_op)]
-            record.update(output=output, keep=[grad, rs_input])
-            return works
-
-        RECORDER.add("reduce_scatter.issue", self.name)
-        with torch.profiler.record_function(f"fsdp_ext::reduce_scatter[{self.name or 'root'}]"):
-            pending = self.schedule.streams.launch("reduce_scatter", fn, keep_alive=[])
-        pending.keep_alive.extend(record["keep"])
-
-        def finish() -> None:
-            with span("reduce_scatter.wait", self.name):
-                pending.wait()
-            accumulate = bucket.sync_param_grads_into_buffer()
-            ops.grad_epilogue(record["output"], bucket.grad_shard, 1.0 / post, accumulate)
-            bucket.attach_grads()
-
-        self.schedule.add_pending_reduce_scatter(finish)
+    def post_backward(self, grads) -> None:
+        """Gradients of one backward use: reduce every trainable bucket, then free the unit."""
+        RECORDER.add("backward.end", self.name)
+        grads = iter(grads)
+        for i in self.grad_bucket_indices:
+            reduce_bucket(self, i, [next(grads) for _ in self.buckets[i].slots])
+        self.reshard()
+        self.schedule.prefetch_backward(self, "post")
 
     def reset_backward_state(self) -> None:
         self.pre_backward_done = False
-        self.grad_buckets_reduced = 0
 
 
 def _become_root(unit: Unit) -> "Schedule":

@@ -1,0 +1,95 @@
+"""The gradient path of one bucket: pack -> reduce-scatter (-> all-reduce) -> epilogue.
+
+    pack:      the unit's per-parameter gradients go straight into one flat, padded buffer in
+               `reduce_dtype`, pre-divided, in a single pass (parameters without a gradient and the
+               padding become zeros); no autograd concatenation, no separate cast
+    collective: reduce-scatter over the shard group (SUM), then all-reduce over replicas (HSDP)
+    epilogue:  post-divide, cast to the sharded gradient's dtype and accumulate in one pass
+
+Under `set_requires_gradient_sync(False)` (no_sync) the packed, pre-divided gradient is added to
+an unsharded accumulator in `reduce_dtype` instead, and goes out with the next synchronised step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import comm, ops
+from .flat_param import Bucket
+from .mixed_precision import divide_factors
+from .trace import RECORDER, span
+
+
+@dataclass
+class BucketGrads:
+    """Per-bucket gradient state that lives across micro-batches."""
+
+    unsharded_accumulator: torch.Tensor | None = None   # [numel_padded] reduce dtype, no_sync
+    used: list[bool] = field(default_factory=list)      # got a gradient since the last sync
+
+
+def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
+               device: torch.device) -> torch.Tensor:
+    """One flat [numel_padded] buffer of `grads` (None -> zeros), cast and divided by `pre`."""
+    present = [(g.contiguous(), slot.offset) for g, slot in zip(grads, bucket.slots) if g is not None]
+    flat = torch.empty(bucket.numel_padded, dtype=reduce_dtype, device=device)
+    ops.pack([g for g, _ in present], [o for _, o in present], flat, 0, 1.0 / pre)
+    return flat
+
+
+def reduce_bucket(unit, index: int, grads) -> None:
+    """Handle the gradients of bucket `index` from one backward use of `unit`."""
+    bucket, state, groups = unit.buckets[index], unit.bucket_grads[index], unit.groups
+    used = [g is not None for g in grads]
+    state.used = [a or b for a, b in zip(state.used, used)] if state.used else used
+    reduce_dtype = unit.mp.reduce_dtype or unit.full[index].dtype
+    pre, post = divide_factors(groups.data_parallel_size)
+    device = unit.full[index].device
+
+    if not unit.requires_gradient_sync:
+        flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
+        if state.unsharded_accumulator is None:
+            state.unsharded_accumulator = flat
+        else:
+            state.unsharded_accumulator.add_(flat)
+        return
+
+    result = {}
+
+    def collectives(async_op: bool) -> list:
+        flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
+        if state.unsharded_accumulator is not None:
+            flat.add_(state.unsharded_accumulator)
+            state.unsharded_accumulator = None
+        if groups.shard is None:
+            output, works = flat, []
+        else:
+            output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=device)
+            # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
+            # blocking reduce-scatter and an asynchronous all-reduce.
+            works = [comm.reduce_scatter_sum(output, flat, groups.shard,
+                                             async_op and groups.replicate is None)]
+        if groups.replicate is not None:
+            works = [comm.all_reduce_sum(output, groups.replicate, async_op)]
+        result.update(output=output, flat=flat)
+        return works
+
+    RECORDER.add("reduce_scatter.issue", unit.name)
+    with torch.profiler.record_function(f"fsdp_ext::reduce_scatter[{unit.name or 'root'}]"):
+        pending = unit.schedule.streams.launch("reduce_scatter", collectives, keep_alive=[])
+    pending.keep_alive.extend([result["flat"], *[g for g in grads if g is not None]])
+    used_now, state.used = state.used, []
+
+    def finish() -> None:
+        with span("reduce_scatter.wait", unit.name):
+            pending.wait()
+        accumulate = bucket.sync_param_grads_into_buffer()
+        ops.grad_epilogue(result["output"], bucket.grad_shard, 1.0 / post, accumulate)
+        for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):
+            # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
+            if slot.param.grad is None and not was_used and not view.any():
+                continue
+            slot.param.grad = view
+
+    unit.schedule.add_pending_reduce_scatter(finish)
