@@ -1,0 +1,302 @@
+"""Kernel microbenchmark: fsdp_ext ops against plain-torch equivalents and a copy_ of the same bytes.
+
+For three realistic units (one transformer block of a 1B model, 1000 small tensors of odd sizes,
+one 256 MB tensor) and six op cases, times every available backend of `fsdp_ext.ops`
+(cpp when fsdp_ext._C is built; triton on CUDA only, since the CPU interpreter measures nothing
+useful; torch, the reference), the best plain-torch ways to do the same work, and
+`dst.copy_(src)` on one tensor of the same dtype pair and element count, the memory-bandwidth limit.
+
+Reports the median of --repeats runs after warm-up, GB/s (bytes read + written), the fraction of the
+same-run copy_ bandwidth, and the speedup over `torch._foreach_copy_` (or its closest foreach
+equivalent). Prints a markdown table; writes JSON (--out) and optionally the table (--md).
+
+    python benchmarks/bench_kernels.py --threads 1 2
+    python benchmarks/bench_kernels.py --quick --backends torch   # smoke run, a few seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_ext import ops  # noqa: E402
+
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ---- units ----------------------------------------------------------------------------------------
+
+def transformer_block(d: int, ffn: int) -> list[tuple[int, ...]]:
+    """qkv and output projections, two MLP matrices, two norm weights (d=2048, ffn=8192: 50M)."""
+    return [(3 * d, d), (d, d), (ffn, d), (d, ffn), (d,), (d,)]
+
+
+def small_tensors(count: int, max_numel: int) -> list[tuple[int, ...]]:
+    """`count` tensors of varied odd sizes in [1, max_numel] (deterministic)."""
+    gen = torch.Generator().manual_seed(0)
+    return [(2 * int(k) + 1,) for k in torch.randint(0, max_numel // 2 + 1, (count,), generator=gen)]
+
+
+FULL_UNITS = {
+    "block_1b": transformer_block(2048, 8192),
+    "small_1000": small_tensors(1000, 4095),
+    "large_256mb": [(64 * 2**20,)],
+}
+QUICK_UNITS = {
+    "block_1b": transformer_block(64, 256),
+    "small_1000": small_tensors(1000, 63),
+    "large_256mb": [(2**18,)],
+}
+
+
+# ---- op cases -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # pack / unpack / cast_into_slot / grad_epilogue
+    src: torch.dtype
+    dst: torch.dtype
+    scale: float = 1.0
+    accumulate: bool = False
+
+    @property
+    def name(self) -> str:
+        extra = (f" x{self.scale:g}" if self.scale != 1.0 else "") + (" +=" if self.accumulate else "")
+        return f"{self.op} {DTYPE_NAMES[self.src]}->{DTYPE_NAMES[self.dst]}{extra}"
+
+
+CASES = [Case("pack", F32, F32), Case("pack", F32, BF16), Case("pack", F32, F32, scale=0.125),
+         Case("unpack", F32, F32), Case("cast_into_slot", F32, BF16),
+         Case("grad_epilogue", BF16, F32, scale=0.5, accumulate=True)]
+
+
+def _randn(shape, dtype, device):
+    return torch.randn(shape, device=device).to(dtype)
+
+
+def candidates(case: Case, shapes, device, backends):
+    """(impl name, kind, zero-argument callable, bytes moved) for every way to run `case`."""
+    sizes = [torch.Size(s).numel() for s in shapes]
+    total = sum(sizes)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    bytes_in, bytes_out = total * case.src.itemsize, total * case.dst.itemsize
+    moved = bytes_in + bytes_out + (bytes_out if case.accumulate else 0)
+    out = []
+
+    def add(name, kind, fn):
+        out.append((name, kind, fn, moved))
+
+    if case.op == "pack":
+        srcs = [_randn(s, case.src, device) for s in shapes]
+        flat_srcs = [s.view(-1) for s in srcs]
+        buf = torch.empty(total, dtype=case.dst, device=device)
+        views = list(buf.split(sizes))
+        rescale = (lambda: buf.mul_(case.scale)) if case.scale != 1.0 else (lambda: None)
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.pack(srcs, offsets, buf, 0, case.scale, backend=b))
+        add("torch._foreach_copy_", "foreach", lambda: (torch._foreach_copy_(views, flat_srcs), rescale()))
+        if case.scale == 1.0:
+            add("torch.cat().to()", "torch", lambda: torch.cat(flat_srcs).to(case.dst))
+        else:
+            add("torch.cat().mul_().to()", "torch",
+                lambda: torch.cat(flat_srcs).mul_(case.scale).to(case.dst))
+        add("torch._chunk_cat", "torch",
+            lambda: (torch._chunk_cat(flat_srcs, 0, 1, out=buf.view(1, -1)), rescale()))
+    elif case.op == "unpack":
+        src = _randn(total, case.src, device)
+        dsts = [torch.empty(s, dtype=case.dst, device=device) for s in shapes]
+        flat_dsts = [d.view(-1) for d in dsts]
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.unpack(src, 0, offsets, dsts, backend=b))
+        add("torch._foreach_copy_", "foreach",
+            lambda: torch._foreach_copy_(flat_dsts, list(src.split(sizes))))
+        if case.src == case.dst:
+            add("torch.split_with_sizes_copy", "torch",
+                lambda: torch.split_with_sizes_copy(src, sizes, 0, out=flat_dsts))
+    elif case.op == "cast_into_slot":
+        shard = _randn(total, case.src, device)
+        gathered = torch.empty(2 * total, dtype=case.dst, device=device)
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.cast_into_slot(shard, gathered, 1, backend=b))
+        add("torch._foreach_copy_", "foreach",
+            lambda: torch._foreach_copy_([gathered[total:]], [shard]))
+    elif case.op == "grad_epilogue":
+        reduced = _randn(total, case.src, device)
+        grad = _randn(total, case.dst, device)
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.grad_epilogue(reduced, grad, case.scale,
+                                                             case.accumulate, backend=b))
+        add("torch._foreach_add_", "foreach",
+            lambda: torch._foreach_add_([grad], [reduced], alpha=case.scale))
+        add("Tensor.add_", "torch", lambda: grad.add_(reduced, alpha=case.scale))
+    # The limit: one copy_ of the same element count and dtype pair (bytes of one read + one write).
+    limit_src = _randn(total, case.src, device)
+    limit_dst = torch.empty(total, dtype=case.dst, device=device)
+    out.append(("copy_ (limit)", "limit", lambda: limit_dst.copy_(limit_src), bytes_in + bytes_out))
+    return out
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+def median_seconds(fn, repeats: int, warmup: int, device: torch.device,
+                   min_sample_s: float = 2e-3) -> float:
+    """Median seconds per call. Fast calls are batched so that one timed sample lasts at least
+    `min_sample_s` (timer and scheduler noise would dominate a few-microsecond sample)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def sample(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()  # on CUDA, time the kernels, not the launches
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    calls = 1
+    while calls < 10_000 and (elapsed := sample(calls)) < min_sample_s:
+        calls = max(2 * calls, int(calls * 1.2 * min_sample_s / max(elapsed, 1e-9)))
+    return statistics.median(sample(calls) / calls for _ in range(repeats))
+
+
+def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup):
+    rows = []
+    for name, kind, fn, moved in candidates(case, shapes, device, backends):
+        seconds = median_seconds(fn, repeats, warmup, device)
+        rows.append(dict(threads=threads, unit=unit, case=case.name, impl=name, kind=kind,
+                         tensors=len(shapes), numel=sum(torch.Size(s).numel() for s in shapes),
+                         bytes=moved, median_ms=seconds * 1e3, gbps=moved / seconds / 1e9))
+    copy_gbps = next(r["gbps"] for r in rows if r["kind"] == "limit")
+    foreach_ms = next(r["median_ms"] for r in rows if r["kind"] == "foreach")
+    for r in rows:
+        r["vs_copy"] = r["gbps"] / copy_gbps
+        r["speedup_vs_foreach"] = foreach_ms / r["median_ms"]
+    return rows
+
+
+# ---- targets and report ---------------------------------------------------------------------------
+
+def check_targets(rows) -> list[dict]:
+    """Large units: pack/cast >= 0.9x copy_ bandwidth. 1000 small tensors: pack/unpack >= 2x faster
+    than torch._foreach_copy_. Checked for the compiled backends (cpp, triton)."""
+    targets = []
+    for r in rows:
+        if r["impl"] not in ("cpp", "triton"):
+            continue
+        op = r["case"].split()[0]
+        if r["unit"] != "small_1000" and op in ("pack", "cast_into_slot"):
+            targets.append(dict(threads=r["threads"], unit=r["unit"], case=r["case"], impl=r["impl"],
+                                target="vs_copy >= 0.9", value=r["vs_copy"], met=r["vs_copy"] >= 0.9))
+        if r["unit"] == "small_1000" and op in ("pack", "unpack"):
+            value = r["speedup_vs_foreach"]
+            targets.append(dict(threads=r["threads"], unit=r["unit"], case=r["case"], impl=r["impl"],
+                                target="speedup_vs_foreach >= 2", value=value, met=value >= 2))
+    return targets
+
+
+def markdown(rows, targets) -> str:
+    lines = ["| threads | unit | case | impl | ms | GB/s | x copy_ | vs _foreach_copy_ |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['unit']} | {r['case']} | {r['impl']} | "
+                     f"{r['median_ms']:.3f} | {r['gbps']:.2f} | {r['vs_copy']:.2f} | "
+                     f"{r['speedup_vs_foreach']:.2f}x |")
+    if targets:
+        lines += ["", "| threads | unit | case | impl | target | value | met |", "|---|---|---|---|---|---:|---|"]
+        for t in targets:
+            lines.append(f"| {t['threads']} | {t['unit']} | {t['case']} | {t['impl']} | {t['target']} | "
+                         f"{t['value']:.2f} | {'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def machine_info(device: torch.device) -> dict:
+    info = dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
+                device=str(device), cpu=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), load_average_at_start=os.getloadavg())
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def available_backends(device: torch.device, wanted: list[str] | None) -> tuple[list[str], list[str]]:
+    """(backends to time, notes on the ones skipped)."""
+    have, notes = [], []
+    compiled = "cuda" if device.type == "cuda" else "cpp"
+    if ops.HAVE_EXTENSION:
+        have.append(compiled)
+    else:
+        notes.append(f"{compiled}: skipped, fsdp_ext._C is not built")
+    if device.type == "cuda":
+        have.append("triton")
+    else:
+        notes.append("triton: skipped on CPU, the interpreter is not a speed measurement")
+    have.append("torch")
+    if wanted:
+        notes += [f"{b}: not requested" for b in have if b not in wanted]
+        have = [b for b in have if b in wanted]
+    return have, notes
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
+                        help="torch.set_num_threads values to run (CPU)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--backends", nargs="+", help="fsdp_ext backends to time (default: all)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernels.json"))
+    parser.add_argument("--md", help="also write the markdown table here")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device if args.device != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    backends, notes = available_backends(device, args.backends)
+    machine = machine_info(device)  # before the runs: records the load average at the start
+    units = QUICK_UNITS if args.quick else FULL_UNITS
+    torch.manual_seed(0)
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for unit, shapes in units.items():
+            for case in CASES:
+                rows += run_unit_case(unit, shapes, case, device, backends, threads, args.repeats,
+                                      args.warmup)
+                print(f"# threads={threads} {unit} {case.name} done", file=sys.stderr, flush=True)
+    load_at_end = os.getloadavg()  # other work on the machine skews CPU timings: record it
+    targets = check_targets(rows)
+    table = markdown(rows, targets)
+    result = dict(machine=dict(machine, load_average_at_end=load_at_end), quick=args.quick,
+                  repeats=args.repeats, warmup=args.warmup, backends=backends, notes=notes,
+                  units={u: dict(tensors=len(s), numel=sum(torch.Size(x).numel() for x in s))
+                         for u, s in units.items()},
+                  rows=rows, targets=targets)
+    print(f"machine: {result['machine']}\nbackends: {backends}; " + "; ".join(notes) + "\n")
+    print(table)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

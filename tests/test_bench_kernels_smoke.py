@@ -1,0 +1,41 @@
+"""The kernel benchmark runs end to end (--quick, torch backend) and writes the rows it promises."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNITS = {"block_1b", "small_1000", "large_256mb"}
+CASES = {"pack fp32->fp32", "pack fp32->bf16", "pack fp32->fp32 x0.125", "unpack fp32->fp32",
+         "cast_into_slot fp32->bf16", "grad_epilogue bf16->fp32 x0.5 +="}
+
+
+def test_quick_benchmark_writes_expected_rows(tmp_path):
+    out = tmp_path / "kernels.json"
+    # A subprocess, as users run it; the env keeps a stray TRITON_INTERPRET from leaking in.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--quick",
+         "--backends", "torch", "--threads", "1", "--repeats", "2", "--warmup", "1",
+         "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| threads | unit | case |" in result.stdout  # the markdown table
+
+    report = json.loads(out.read_text())
+    assert report["quick"] and report["backends"] == ["torch"]
+    rows = report["rows"]
+    assert {(r["unit"], r["case"]) for r in rows} == {(u, c) for u in UNITS for c in CASES}
+    for unit in UNITS:
+        for case in CASES:
+            impls = {r["impl"]: r for r in rows if r["unit"] == unit and r["case"] == case}
+            assert {"torch", "copy_ (limit)"} <= impls.keys()
+            assert sum(r["kind"] == "foreach" for r in impls.values()) == 1
+            for r in impls.values():
+                assert r["median_ms"] > 0 and r["gbps"] > 0 and r["vs_copy"] > 0
+                assert r["speedup_vs_foreach"] > 0 and r["threads"] == 1
+    pack = {r["impl"] for r in rows if r["unit"] == "small_1000" and r["case"] == "pack fp32->bf16"}
+    assert {"torch._foreach_copy_", "torch.cat().to()", "torch._chunk_cat"} <= pack
+    unpack = {r["impl"] for r in rows if r["case"] == "unpack fp32->fp32"}
+    assert "torch.split_with_sizes_copy" in unpack
+    assert report["targets"] == []  # targets concern the compiled backends only
