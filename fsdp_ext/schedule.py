@@ -109,6 +109,9 @@ class Schedule:
         self.drain_reduce_scatters()
         for unit in self.units:
             unit.reshard()
+            # A recomputation (activation checkpointing) may stop early, before post-forward
+            # could put the parameters back.
+            unit.use_sharded_params()
             unit.reset_backward_state()
         self._backward_queued = False
         RECORDER.add("backward.finalize", self.root.name)
@@ -119,12 +122,14 @@ class Schedule:
 
     # ---- prefetch and the in-flight bound -----------------------------------------------------------
     def transient_unsharded(self) -> int:
-        return sum(1 for u in self.units
-                   if u.transient and (u.unsharded or u.pending_unshard is not None))
+        """Units freed between uses whose gathered buffers hold memory right now."""
+        return sum(1 for u in self.units if u.transient and u.holds_unsharded_memory())
 
-    def _prefetch(self, order: list[Unit], current: Unit, depth: int) -> None:
+    def note_unshard(self) -> None:
         self.peak_transient_unsharded = max(self.peak_transient_unsharded,
                                             self.transient_unsharded())
+
+    def _prefetch(self, order: list[Unit], current: Unit, depth: int) -> None:
         if depth <= 0 or current not in order:
             return
         index = order.index(current)
@@ -136,8 +141,6 @@ class Schedule:
                 RECORDER.add("prefetch.skipped", unit.name)
                 break
             unit.unshard()
-        self.peak_transient_unsharded = max(self.peak_transient_unsharded,
-                                            self.transient_unsharded())
 
     def max_in_flight(self) -> int | None:
         if not self.options["limit_in_flight"]:

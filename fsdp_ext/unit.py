@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .schedule import Schedule
 
 UNIT_ATTR = "_fsdp_ext_unit"
+OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded nn.Parameter: which module's unit holds it
 
 
 def unit_of(module: nn.Module) -> "Unit | None":
@@ -102,6 +103,9 @@ class Unit:
             return not self.is_root
         return bool(self.reshard_after_forward)
 
+    def holds_unsharded_memory(self) -> bool:
+        return any(full.untyped_storage().size() > 0 for full in self.full_data)
+
     @property
     def transient(self) -> bool:
         """Freed between uses, so it counts towards the in-flight bound."""
@@ -116,6 +120,7 @@ class Unit:
         with torch.profiler.record_function(f"fsdp_ext::all_gather[{self.name or 'root'}]"):
             self.pending_unshard = self.schedule.streams.launch(
                 "all_gather", self._all_gather_fn, keep_alive=[])
+        self.schedule.note_unshard()
         if not async_op:
             self.wait_unshard()
 
@@ -289,6 +294,10 @@ def _build_buckets(module: nn.Module, groups: comm.Groups) -> list[Bucket]:
                 slots[id(param)].locations.append((mod, attr))
                 continue
             _check_param(param, fqn, module)
+            if (owner := getattr(param, OWNER_ATTR, None)) is not None:
+                raise ValueError(
+                    f"parameter '{fqn}' of {type(module).__name__} already belongs to the unit of "
+                    f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
             slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape, 0)
         for name, child in reversed(list(mod._modules.items())):
             if child is None:
@@ -307,6 +316,8 @@ def _build_buckets(module: nn.Module, groups: comm.Groups) -> list[Bucket]:
     groups_by_key: dict[tuple, list[ParamSlot]] = {}
     for slot in slots.values():  # visit order: a module's own parameters, then its children's
         groups_by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
+    for slot in slots.values():
+        setattr(slot.param, OWNER_ATTR, f"{type(module).__name__} (parameter '{slot.fqn}')")
     return [Bucket(dtype, requires_grad, bucket_slots, groups.shard_size, groups.shard_rank)
             for (dtype, requires_grad), bucket_slots in groups_by_key.items()]
 
