@@ -5,7 +5,7 @@ VPY      = $(VENV)/bin/python
 TORCH   ?= torch==2.14.1
 NPROC   ?= 2
 
-.PHONY: venv build test test-all cuda-check train bench clean
+.PHONY: venv build test test-all cuda-check train train-smoke bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,14 @@ test-all: build
 # Compile-checks the CUDA sources with nvcc (no GPU needed).
 cuda-check: venv
 	$(VPY) tools/cuda_check.py
+
+# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), a few minutes.
+train: build
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py
+
+# The main job at a reduced size, for CI.
+train-smoke: build
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --steps 5 --n-layer 2 --d-model 64
 
 bench: build
 	$(VPY) benchmarks/bench_kernels.py
