@@ -1,4 +1,4 @@
-"""Kernel microbenchmark: fsdp_ext ops against plain-torch equivalents and a copy_ of the same bytes.
+"""Kernel microbenchmark: fsdp_ext ops vs plain-torch equivalents vs a copy_ of the same bytes.
 
 For three realistic units (one transformer block of a 1B model, 1000 small tensors of odd sizes,
 one 256 MB tensor) and six op cases, times every available backend of `fsdp_ext.ops`
@@ -6,9 +6,10 @@ one 256 MB tensor) and six op cases, times every available backend of `fsdp_ext.
 useful; torch, the reference), the best plain-torch ways to do the same work, and
 `dst.copy_(src)` on one tensor of the same dtype pair and element count, the memory-bandwidth limit.
 
-Reports the median of --repeats runs after warm-up, GB/s (bytes read + written), the fraction of the
-same-run copy_ bandwidth, and the speedup over `torch._foreach_copy_` (or its closest foreach
-equivalent). Prints a markdown table; writes JSON (--out) and optionally the table (--md).
+Reports the median of --repeats samples after warm-up (the samples of all implementations of a case
+interleaved), GB/s (bytes read + written), the fraction of the same-run copy_ bandwidth, and the
+speedup over `torch._foreach_copy_` (or its closest foreach equivalent). Prints a markdown table;
+writes JSON (--out) and optionally the table (--md).
 
     python benchmarks/bench_kernels.py --threads 1 2
     python benchmarks/bench_kernels.py --quick --backends torch   # smoke run, a few seconds
@@ -33,7 +34,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-# ---- units ----------------------------------------------------------------------------------------
+# ---- units ---------------------------------------------------------------------------------------
 
 def transformer_block(d: int, ffn: int) -> list[tuple[int, ...]]:
     """qkv and output projections, two MLP matrices, two norm weights (d=2048, ffn=8192: 50M)."""
@@ -43,7 +44,8 @@ def transformer_block(d: int, ffn: int) -> list[tuple[int, ...]]:
 def small_tensors(count: int, max_numel: int) -> list[tuple[int, ...]]:
     """`count` tensors of varied odd sizes in [1, max_numel] (deterministic)."""
     gen = torch.Generator().manual_seed(0)
-    return [(2 * int(k) + 1,) for k in torch.randint(0, max_numel // 2 + 1, (count,), generator=gen)]
+    halves = torch.randint(0, max_numel // 2 + 1, (count,), generator=gen)
+    return [(2 * int(k) + 1,) for k in halves]
 
 
 FULL_UNITS = {
@@ -58,7 +60,7 @@ QUICK_UNITS = {
 }
 
 
-# ---- op cases -------------------------------------------------------------------------------------
+# ---- op cases ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Case:
@@ -70,8 +72,9 @@ class Case:
 
     @property
     def name(self) -> str:
-        extra = (f" x{self.scale:g}" if self.scale != 1.0 else "") + (" +=" if self.accumulate else "")
-        return f"{self.op} {DTYPE_NAMES[self.src]}->{DTYPE_NAMES[self.dst]}{extra}"
+        scaled = f" x{self.scale:g}" if self.scale != 1.0 else ""
+        accumulated = " +=" if self.accumulate else ""
+        return f"{self.op} {DTYPE_NAMES[self.src]}->{DTYPE_NAMES[self.dst]}{scaled}{accumulated}"
 
 
 CASES = [Case("pack", F32, F32), Case("pack", F32, BF16), Case("pack", F32, F32, scale=0.125),
@@ -103,7 +106,8 @@ def candidates(case: Case, shapes, device, backends):
         rescale = (lambda: buf.mul_(case.scale)) if case.scale != 1.0 else (lambda: None)
         for b in backends:
             add(b, "fsdp_ext", lambda b=b: ops.pack(srcs, offsets, buf, 0, case.scale, backend=b))
-        add("torch._foreach_copy_", "foreach", lambda: (torch._foreach_copy_(views, flat_srcs), rescale()))
+        add("torch._foreach_copy_", "foreach",
+            lambda: (torch._foreach_copy_(views, flat_srcs), rescale()))
         if case.scale == 1.0:
             add("torch.cat().to()", "torch", lambda: torch.cat(flat_srcs).to(case.dst))
         else:
@@ -145,37 +149,50 @@ def candidates(case: Case, shapes, device, backends):
     return out
 
 
-# ---- timing ---------------------------------------------------------------------------------------
+# ---- timing --------------------------------------------------------------------------------------
 
-def median_seconds(fn, repeats: int, warmup: int, device: torch.device,
-                   min_sample_s: float = 2e-3) -> float:
-    """Median seconds per call. Fast calls are batched so that one timed sample lasts at least
+class Timer:
+    """Times one zero-argument callable. Fast calls are batched so that one sample lasts at least
     `min_sample_s` (timer and scheduler noise would dominate a few-microsecond sample)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def sample(calls: int) -> float:
+    def __init__(self, fn, device: torch.device, warmup: int, min_sample_s: float = 2e-3):
+        self.fn = fn
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        self.calls = 1
+        while self.calls < 10_000 and (elapsed := self._run(self.calls)) < min_sample_s:
+            needed = int(self.calls * 1.2 * min_sample_s / max(elapsed, 1e-9))
+            self.calls = max(2 * self.calls, needed)
+        self.samples: list[float] = []
+
+    def _run(self, calls: int) -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            fn()
-        sync()  # on CUDA, time the kernels, not the launches
+            self.fn()
+        self.sync()  # on CUDA, time the kernels, not the launches
         return time.perf_counter() - start
 
-    for _ in range(warmup):
-        fn()
-    sync()
-    calls = 1
-    while calls < 10_000 and (elapsed := sample(calls)) < min_sample_s:
-        calls = max(2 * calls, int(calls * 1.2 * min_sample_s / max(elapsed, 1e-9)))
-    return statistics.median(sample(calls) / calls for _ in range(repeats))
+    def sample(self) -> None:
+        self.samples.append(self._run(self.calls) / self.calls)
 
 
 def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup):
+    impls = candidates(case, shapes, device, backends)
+    timers = [Timer(fn, device, warmup) for _, _, fn, _ in impls]
+    # Interleave the samples of all implementations, so that a change in background load during
+    # the run affects them alike and the ratios stay fair.
+    for _ in range(repeats):
+        for timer in timers:
+            timer.sample()
     rows = []
-    for name, kind, fn, moved in candidates(case, shapes, device, backends):
-        seconds = median_seconds(fn, repeats, warmup, device)
+    for (name, kind, _, moved), timer in zip(impls, timers):
+        seconds = statistics.median(timer.samples)
         rows.append(dict(threads=threads, unit=unit, case=case.name, impl=name, kind=kind,
                          tensors=len(shapes), numel=sum(torch.Size(s).numel() for s in shapes),
-                         bytes=moved, median_ms=seconds * 1e3, gbps=moved / seconds / 1e9))
+                         bytes=moved, median_ms=seconds * 1e3, gbps=moved / seconds / 1e9,
+                         calls_per_sample=timer.calls))
     copy_gbps = next(r["gbps"] for r in rows if r["kind"] == "limit")
     foreach_ms = next(r["median_ms"] for r in rows if r["kind"] == "foreach")
     for r in rows:
@@ -184,7 +201,7 @@ def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup
     return rows
 
 
-# ---- targets and report ---------------------------------------------------------------------------
+# ---- targets and report --------------------------------------------------------------------------
 
 def check_targets(rows) -> list[dict]:
     """Large units: pack/cast >= 0.9x copy_ bandwidth. 1000 small tensors: pack/unpack >= 2x faster
@@ -194,13 +211,14 @@ def check_targets(rows) -> list[dict]:
         if r["impl"] not in ("cpp", "triton"):
             continue
         op = r["case"].split()[0]
+        where = {k: r[k] for k in ("threads", "unit", "case", "impl")}
         if r["unit"] != "small_1000" and op in ("pack", "cast_into_slot"):
-            targets.append(dict(threads=r["threads"], unit=r["unit"], case=r["case"], impl=r["impl"],
-                                target="vs_copy >= 0.9", value=r["vs_copy"], met=r["vs_copy"] >= 0.9))
+            value = r["vs_copy"]
+            targets.append(dict(where, target="vs_copy >= 0.9", value=value, met=value >= 0.9))
         if r["unit"] == "small_1000" and op in ("pack", "unpack"):
             value = r["speedup_vs_foreach"]
-            targets.append(dict(threads=r["threads"], unit=r["unit"], case=r["case"], impl=r["impl"],
-                                target="speedup_vs_foreach >= 2", value=value, met=value >= 2))
+            targets.append(dict(where, target="speedup_vs_foreach >= 2", value=value,
+                                met=value >= 2))
     return targets
 
 
@@ -212,20 +230,23 @@ def markdown(rows, targets) -> str:
                      f"{r['median_ms']:.3f} | {r['gbps']:.2f} | {r['vs_copy']:.2f} | "
                      f"{r['speedup_vs_foreach']:.2f}x |")
     if targets:
-        lines += ["", "| threads | unit | case | impl | target | value | met |", "|---|---|---|---|---|---:|---|"]
+        lines += ["", "| threads | unit | case | impl | target | value | met |",
+                  "|---|---|---|---|---|---:|---|"]
         for t in targets:
-            lines.append(f"| {t['threads']} | {t['unit']} | {t['case']} | {t['impl']} | {t['target']} | "
-                         f"{t['value']:.2f} | {'yes' if t['met'] else 'NO'} |")
+            lines.append(f"| {t['threads']} | {t['unit']} | {t['case']} | {t['impl']} | "
+                         f"{t['target']} | {t['value']:.2f} | {'yes' if t['met'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def machine_info(device: torch.device) -> dict:
-    info = dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
-                device=str(device), cpu=platform.processor() or platform.machine(),
+    info = dict(platform=platform.platform(), python=platform.python_version(),
+                torch=torch.__version__, device=str(device),
+                cpu=platform.processor() or platform.machine(),
                 cpu_count=os.cpu_count(), load_average_at_start=os.getloadavg())
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f
+                               if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     if device.type == "cuda":
@@ -233,7 +254,8 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def available_backends(device: torch.device, wanted: list[str] | None) -> tuple[list[str], list[str]]:
+def available_backends(device: torch.device,
+                       wanted: list[str] | None) -> tuple[list[str], list[str]]:
     """(backends to time, notes on the ones skipped)."""
     have, notes = [], []
     compiled = "cuda" if device.type == "cuda" else "cpp"
@@ -261,7 +283,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--backends", nargs="+", help="fsdp_ext backends to time (default: all)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernels.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "kernels.json"))
     parser.add_argument("--md", help="also write the markdown table here")
     args = parser.parse_args(argv)
 

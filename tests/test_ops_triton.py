@@ -2,9 +2,10 @@
 
 Without a GPU the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before
 `@triton.jit` decorates them (and best before triton is first imported), hence at the very top.
-Pytest imports every test module before running any, so the variable is visible to the whole session;
-that is harmless here (only these tests use Triton on CPU), and a module fixture restores it after
-this module's tests. Set TRITON_INTERPRET=0 on a CUDA machine to test the compiled kernels instead.
+Pytest imports every test module before running any, so the variable is visible to the whole
+session; that is harmless here (only these tests use Triton on CPU), and a module fixture restores
+it after this module's tests. Set TRITON_INTERPRET=0 on a CUDA machine to test the compiled
+kernels instead.
 """
 import os
 
@@ -26,7 +27,7 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
-# The interpreter evaluates with numpy, which warns on inf * 0 and inf - inf (NaN is expected there).
+# The interpreter evaluates with numpy, which warns on inf * 0 and inf - inf (NaN expected there).
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,7 +46,7 @@ def _restore_interpret_variable():
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal values, NaN where NaN (its payload may differ), and equal bits elsewhere (so -0 != +0)."""
+    """Equal values, NaN where NaN (payloads may differ), equal bits elsewhere (so -0 != +0)."""
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     nan = expected.isnan()
     assert torch.equal(actual.isnan(), nan)
@@ -101,7 +102,8 @@ WINDOWS = [(0, 5200), (1500, 3100), (1300, 900), (3800, 50), (10, 1), (100, 0)]
 def test_pack_matches_reference(src_dtype, out_dtype, scale):
     srcs = make_sources(SIZES, [src_dtype] * len(SIZES))
     for start, length in WINDOWS:
-        got = torch.full((length,), 7.0, dtype=out_dtype, device=DEVICE)  # pack must overwrite it all
+        # Pre-filled: pack must overwrite every element, gaps included.
+        got = torch.full((length,), 7.0, dtype=out_dtype, device=DEVICE)
         want = got.clone()
         run_both(ops.pack, (srcs, OFFSETS, got, start, scale), (srcs, OFFSETS, want, start, scale))
         assert_same_bits(got, want)
@@ -133,7 +135,8 @@ def test_pack_and_unpack_mixed_dtypes_and_shapes():
         assert_same_bits(got, want)
         outs = [torch.zeros_like(s) for s in srcs]
         outs_ref = [o.clone() for o in outs]
-        run_both(ops.unpack, (got[1000:], 1000, offsets, outs), (want[1000:], 1000, offsets, outs_ref))
+        run_both(ops.unpack, (got[1000:], 1000, offsets, outs),
+                 (want[1000:], 1000, offsets, outs_ref))
         for g, w in zip(outs, outs_ref):
             assert_same_bits(g, w)
 

@@ -6,8 +6,8 @@ BLOCK_SIZE elements.
 Bits, not floats. Kernels read and write fp32 data as 32-bit integers and bf16/fp16 as 16-bit
 integers, and round to bf16/fp16 (nearest even) with integer operations. That gives the same bits on
 a GPU and in the CPU interpreter (TRITON_INTERPRET=1), whose own fp32->bf16 cast truncates.
-Widening to fp32 is exact everywhere; `x * scale` is one fp32 multiply; the epilogue is launched with
-fp fusion off so that `out + x * scale` rounds twice, like the reference.
+Widening to fp32 is exact everywhere; `x * scale` is one fp32 multiply; the epilogue is launched
+with fp fusion off so that `out + x * scale` rounds twice, like the reference.
 
 Many tensors, one launch. Triton cannot take a list of pointers, so pack and unpack pass a small
 int64 *segment table* (the idea of the Triton grouped-GEMM tutorial and of ATen's `_chunk_cat`):
@@ -47,7 +47,7 @@ _KIND_OF = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-# ---- conversions between raw bits and fp32 ---------------------------------------------------
+# ---- conversions between raw bits and fp32 -------------------------------------------------------
 
 @triton.jit
 def _bf16_bits_from_f32(x):
@@ -116,7 +116,7 @@ def _store_f32(ptr, x, mask, KIND: tl.constexpr):
         tl.store(ptr, _f16_bits_from_f32(x).to(tl.int16, bitcast=True), mask=mask)
 
 
-# ---- segment tables ----------------------------------------------------------------------------
+# ---- segment tables ------------------------------------------------------------------------------
 
 @triton.jit
 def _segment_at(starts_ptr, num_segments, position):
@@ -185,10 +185,12 @@ def _pack_kernel(
     last = _segment_at(table_ptr, table_stride - 1, tl.minimum(block_start + BLOCK, n) - 1)
     if first == last:
         # Block inside one tensor (the bulk of large units): scalar metadata, contiguous loads.
-        _pack_block(out_ptr, idx, mask, first, table_ptr, table_stride, scale, OUT_KIND, APPLY_SCALE)
+        _pack_block(out_ptr, idx, mask, first, table_ptr, table_stride, scale, OUT_KIND,
+                    APPLY_SCALE)
     else:
         seg = _segments_at(table_ptr, first, last, idx)
-        _pack_block(out_ptr, idx, mask, seg, table_ptr, table_stride, scale, OUT_KIND, APPLY_SCALE)
+        _pack_block(out_ptr, idx, mask, seg, table_ptr, table_stride, scale, OUT_KIND,
+                    APPLY_SCALE)
 
 
 @triton.jit
@@ -200,8 +202,8 @@ def _unpack_block(x, raw, idx, mask, seg, table_ptr, table_stride, SRC_KIND: tl.
     elem = idx - start  # element index inside the destination tensor
     is_16 = (kind == KIND_BF16) | (kind == KIND_F16)
     bits16 = tl.where(kind == KIND_BF16, _bf16_bits_from_f32(x), _f16_bits_from_f32(x))
-    if SRC_KIND != KIND_F32:
-        bits16 = tl.where(kind == SRC_KIND, raw.to(tl.uint16, bitcast=True), bits16)  # same dtype: copy
+    if SRC_KIND != KIND_F32:  # a destination of the source's dtype gets an exact copy
+        bits16 = tl.where(kind == SRC_KIND, raw.to(tl.uint16, bitcast=True), bits16)
     tl.store(address.to(tl.pointer_type(tl.uint32)) + elem, x.to(tl.uint32, bitcast=True),
              mask=mask & (kind == KIND_F32))
     tl.store(address.to(tl.pointer_type(tl.uint16)) + elem, bits16, mask=mask & is_16)
