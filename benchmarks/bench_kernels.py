@@ -238,6 +238,20 @@ def markdown(rows, targets) -> str:
     return "\n".join(lines)
 
 
+def describe(result: dict) -> str:
+    """A few lines saying where and how the numbers were measured."""
+    m = result["machine"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['cpu_count']} cores"
+    load = f"{m['load_average_at_start'][0]:.2f} -> {m['load_average_at_end'][0]:.2f}"
+    notes = "; ".join(result["notes"]) or "none"
+    return (f"Device: {m['device']} ({where}); torch {m['torch']}; "
+            f"{'quick sizes' if result['quick'] else 'full sizes'}; median of {result['repeats']} "
+            f"samples after {result['warmup']} warm-up runs; 1-min load average {load}.\n"
+            f"Backends timed: {', '.join(result['backends'])}. Skipped: {notes}.\n"
+            f"GB/s counts bytes read + written; 'x copy_' = GB/s / GB/s of a same-size copy_; "
+            f"'vs _foreach_copy_' = its time / this time.\n")
+
+
 def machine_info(device: torch.device) -> dict:
     info = dict(platform=platform.platform(), python=platform.python_version(),
                 torch=torch.__version__, device=str(device),
@@ -262,14 +276,14 @@ def available_backends(device: torch.device,
     if ops.HAVE_EXTENSION:
         have.append(compiled)
     else:
-        notes.append(f"{compiled}: skipped, fsdp_ext._C is not built")
+        notes.append(f"{compiled} (fsdp_ext._C is not built)")
     if device.type == "cuda":
         have.append("triton")
     else:
-        notes.append("triton: skipped on CPU, the interpreter is not a speed measurement")
+        notes.append("triton (on CPU only its interpreter runs, which is no speed measurement)")
     have.append("torch")
     if wanted:
-        notes += [f"{b}: not requested" for b in have if b not in wanted]
+        notes += [f"{b} (not requested)" for b in have if b not in wanted]
         have = [b for b in have if b in wanted]
     return have, notes
 
@@ -310,14 +324,14 @@ def main(argv=None) -> dict:
                   units={u: dict(tensors=len(s), numel=sum(torch.Size(x).numel() for x in s))
                          for u, s in units.items()},
                   rows=rows, targets=targets)
-    print(f"machine: {result['machine']}\nbackends: {backends}; " + "; ".join(notes) + "\n")
-    print(table)
+    header = describe(result)
+    print(header + "\n" + table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
-            f.write(table + "\n")
+            f.write(header + "\n" + table + "\n")
     return result
 
 
