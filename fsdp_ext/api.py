@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy
+from .offload import CPUOffloadPolicy
 from .unit import UNIT_ATTR, Unit, unit_of
-from .wrap import apply_auto_wrap
 
 
 class ShardingStrategy(enum.Enum):
@@ -27,21 +27,22 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = enum.auto()   # ... after this unit's backward
 
 
-def _device_for(module: nn.Module, mesh_device_type: str | None) -> torch.device:
-    params = list(module.parameters())
-    devices = {p.device for p in params}
-    if len(devices) > 1:
+def _device_for(module: nn.Module, mesh_device_type: str | None, offload: bool) -> torch.device:
+    """The compute device: the mesh's type, else where the (non-meta) parameters are."""
+    devices = {p.device for p in module.parameters() if not p.is_meta}
+    if len(devices) > 1 and not offload:
         by_device = {}
         for name, p in module.named_parameters():
             by_device.setdefault(str(p.device), name)
         raise ValueError(f"{type(module).__name__} has parameters on several devices: "
                          + ", ".join(f"'{n}' on {d}" for d, n in by_device.items()))
-    if mesh_device_type == "cuda" or (mesh_device_type is None and devices == {torch.device("meta")}
-                                      and torch.cuda.is_available()):
+    if mesh_device_type is not None:
+        if mesh_device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(mesh_device_type)
+    if torch.cuda.is_available() and (not devices or (offload and devices <= {torch.device("cpu")})):
         return torch.device("cuda", torch.cuda.current_device())
-    if devices and next(iter(devices)).type != "meta":
-        return next(iter(devices))
-    return torch.device("cpu")
+    return next(iter(devices)) if devices else torch.device("cpu")
 
 
 def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward) -> comm.Groups:
@@ -101,6 +102,12 @@ class FSDPModule:
             if (unit := unit_of(module)) is not None:
                 unit.reshard_after_forward = reshard_after_forward
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip all sharded gradients under this module; returns the global norm (every rank)."""
+        from .clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
     def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
         """Prefetch depth for this root's schedule (fsdp_ext extension; default 1 and 1)."""
         if forward is not None:
@@ -114,6 +121,7 @@ class FSDPModule:
 def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: CPUOffloadPolicy | None = None, param_init_fn=None,
                 forward_prefetch: int = 1, backward_prefetch: int = 1,
                 limit_in_flight: bool = True) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
@@ -129,6 +137,9 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
             False keeps them (ZeRO-2); an int k keeps 1/k of them and regathers from k ranks.
             None (default): True, except for the root, whose parameters backward needs first.
         mp_policy: mixed precision (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
+        offload_policy: CPUOffloadPolicy() keeps shards, gradients and optimizer state on the host.
+        param_init_fn: for modules built on the meta device: called on each module of the unit
+            after allocation (default: the module's reset_parameters()).
         forward_prefetch / backward_prefetch: how many units ahead to all-gather (read by the root).
         limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
     """
@@ -137,16 +148,24 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
     for name, sub in module.named_modules():
         if name and (sub_unit := unit_of(sub)) is not None and sub_unit.schedule is not None:
             raise ValueError(f"submodule '{name}' already ran forward; shard before the first forward")
-    device = _device_for(module, mesh.device_type if mesh is not None else None)
-    if device.type != "cpu" and any(p.device != device for p in module.parameters()):
+    device = _device_for(module, mesh.device_type if mesh is not None else None,
+                         offload_policy is not None)
+    if (device.type != "cpu" and offload_policy is None
+            and any(p.device != device and not p.is_meta for p in module.parameters())):
         module.to(device)
+    if offload_policy is not None and device.type != "cpu":  # shards stay on the host, buffers move
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[name] = buf.to(device)
     groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1
     options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
                    limit_in_flight=limit_in_flight)
-    unit = Unit(module, groups, mp_policy, reshard_after_forward, options)
+    unit = Unit(module, groups, mp_policy, reshard_after_forward, options, offload_policy,
+                param_init_fn)
     module.__dict__[UNIT_ATTR] = unit
     cls = module.__class__
     if not isinstance(module, FSDPModule):

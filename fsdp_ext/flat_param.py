@@ -99,11 +99,11 @@ class Bucket:
         return indices
 
     # ---- sharded state --------------------------------------------------------------------------
-    def init_shard(self, device: torch.device) -> None:
-        """Copy this rank's part of every parameter into a new local shard (no full-bucket temp)."""
-        self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=device)
+    def init_shard(self, shard: torch.Tensor) -> None:
+        """Copy this rank's part of every parameter into `shard` (no full-bucket temporary)."""
+        self.shard = shard
         with torch.no_grad():
-            sources = [s.param.detach().to(device).contiguous() for s in self.slots]
+            sources = [s.param.detach().to(shard.device).contiguous() for s in self.slots]
             ops.pack(sources, [s.offset for s in self.slots], self.shard, self.shard_start)
         self.shard_views = [self.shard[slice(*self.local_range(s))] for s in self.slots]
         self.point_params_at_shard()

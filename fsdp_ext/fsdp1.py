@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
+from .clip import clip_grad_norm_
 from .mixed_precision import MixedPrecision
+from .offload import CPUOffloadPolicy
 from .wrap import apply_auto_wrap
 
 
@@ -43,14 +45,13 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if ignored_modules or ignored_states:
             raise NotImplementedError("ignored_modules / ignored_states are not supported")
-        if cpu_offload is not None and getattr(cpu_offload, "offload_params", False):
-            raise NotImplementedError("cpu_offload is not supported yet")
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         if device_id is not None:
             device = torch.device(device_id) if not isinstance(device_id, int) else torch.device(
                 "cuda", device_id)
             module.to(device)
-        device_type = next(module.parameters()).device.type if any(True for _ in module.parameters()) else "cpu"
+        devices = {p.device.type for p in module.parameters()} - {"meta"}
+        device_type = devices.pop() if devices else ("cuda" if torch.cuda.is_available() else "cpu")
         mesh, group = device_mesh, process_group
         if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
             if mesh is None and not isinstance(group, tuple):
@@ -63,7 +64,9 @@ class FullyShardedDataParallel(nn.Module):
                 if torch.is_floating_point(buf):
                     buf.data = buf.data.to(mp.buffer_dtype)
         reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        kwargs = dict(mesh=mesh, process_group=group,
+        offload = CPUOffloadPolicy() if getattr(cpu_offload, "offload_params", False) else None
+        kwargs = dict(mesh=mesh, process_group=group, offload_policy=offload,
+                      param_init_fn=param_init_fn,
                       forward_prefetch=1 if forward_prefetch else 0,
                       backward_prefetch=0 if backward_prefetch is None else 1,
                       limit_in_flight=limit_all_gathers)
@@ -101,6 +104,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, *args, **kwargs):
         return self._fsdp_wrapped_module.load_state_dict(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip all sharded gradients; returns the true global norm, the same on every rank."""
+        return clip_grad_norm_(self._fsdp_wrapped_module, max_norm, norm_type, error_if_nonfinite)
 
     @contextlib.contextmanager
     def no_sync(self):

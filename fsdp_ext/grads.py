@@ -18,6 +18,7 @@ import torch
 from . import comm, ops
 from .flat_param import Bucket
 from .mixed_precision import divide_factors
+from .offload import to_host
 from .trace import RECORDER, span
 
 
@@ -84,8 +85,11 @@ def reduce_bucket(unit, index: int, grads) -> None:
     def finish() -> None:
         with span("reduce_scatter.wait", unit.name):
             pending.wait()
+        reduced = result["output"]
+        if unit.offload is not None:
+            reduced = to_host(reduced)
         accumulate = bucket.sync_param_grads_into_buffer()
-        ops.grad_epilogue(result["output"], bucket.grad_shard, 1.0 / post, accumulate)
+        ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
         for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):
             # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
             if slot.param.grad is None and not was_used and not view.any():

@@ -25,8 +25,10 @@ from torch.utils._pytree import tree_flatten
 from . import comm, ops
 from .flat_param import Bucket, ParamSlot
 from .grads import BucketGrads, reduce_bucket
+from .deferred_init import materialize_meta_modules
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
-from .trace import RECORDER, span
+from .offload import CPUOffloadPolicy, host_empty, to_compute_device
+from .trace import RECORDER, begin_range, end_range, span
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -60,7 +62,8 @@ class _UnshardedViews(torch.autograd.Function):
 
 class Unit:
     def __init__(self, module: nn.Module, groups: comm.Groups, mp: MixedPrecisionPolicy,
-                 reshard_after_forward: bool | int | None, options: dict):
+                 reshard_after_forward: bool | int | None, options: dict,
+                 offload: CPUOffloadPolicy | None = None, param_init_fn=None):
         self.module = module
         self.groups = groups
         self.mp = mp
@@ -70,6 +73,8 @@ class Unit:
         self.schedule: Schedule | None = None
         self.is_root = False
         self.requires_gradient_sync = True
+        self.offload = offload
+        materialize_meta_modules(_owned_modules(module), groups.device, param_init_fn)
         self.buckets = _build_buckets(module, groups)
         self.full: list[torch.Tensor] = []
         self.full_data: list[torch.Tensor] = []
@@ -89,7 +94,11 @@ class Unit:
     def _init_sharded_state(self) -> None:
         device = self.groups.device
         for bucket in self.buckets:
-            bucket.init_shard(device)
+            if self.offload is not None:
+                shard = host_empty(bucket.shard_numel, bucket.dtype, self.offload.pin_memory)
+            else:
+                shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
+            bucket.init_shard(shard)
             dtype = self.mp.param_dtype or bucket.dtype
             full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
             full.untyped_storage().resize_(0)
@@ -133,6 +142,8 @@ class Unit:
                 source, slot, group = chunks[i], self.groups.post_forward_rank, self.groups.post_forward
             else:
                 source, slot, group = bucket.shard, self.groups.shard_rank, self.groups.shard
+                if self.offload is not None:
+                    source = to_compute_device(source, full.device)
             ops.cast_into_slot(source, full, slot)
             if group is not None:
                 slot_view = full.narrow(0, slot * source.numel(), source.numel())
@@ -211,6 +222,7 @@ class Unit:
         self.wait_unshard()
         schedule.prefetch_forward(self)
         self.use_unsharded_params()
+        begin_range("forward", self)  # compute only: the all-gather wait is its own range
         return cast_floating((args, kwargs), self._input_dtype())
 
     def _post_forward(self, module, args, kwargs, output):
@@ -218,6 +230,7 @@ class Unit:
         self.use_sharded_params()
         if schedule.in_backward():
             return None
+        end_range("forward", self)
         RECORDER.add("forward.end", self.name)
         output = cast_floating(output, self.mp.output_dtype)
         if torch.is_grad_enabled():
@@ -254,10 +267,12 @@ class Unit:
         self.unshard()
         self.wait_unshard()
         schedule.prefetch_backward(self, "pre")
+        begin_range("backward", self)
         return None
 
     def post_backward(self, grads) -> None:
         """Gradients of one backward use: reduce every trainable bucket, then free the unit."""
+        end_range("backward", self)
         RECORDER.add("backward.end", self.name)
         grads = iter(grads)
         for i in self.grad_bucket_indices:
@@ -272,6 +287,16 @@ class Unit:
 def _become_root(unit: Unit) -> "Schedule":
     from .schedule import Schedule
     return Schedule.create(unit)
+
+
+def _owned_modules(module: nn.Module) -> list[nn.Module]:
+    """`module` and its descendants, except subtrees that already are units (in module order)."""
+    owned, stack = [], [module]
+    while stack:
+        mod = stack.pop()
+        owned.append(mod)
+        stack.extend(c for c in reversed(list(mod.children())) if unit_of(c) is None)
+    return owned
 
 
 def _build_buckets(module: nn.Module, groups: comm.Groups) -> list[Bucket]:
