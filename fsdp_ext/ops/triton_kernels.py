@@ -29,6 +29,7 @@ also run in the interpreter when triton was imported before TRITON_INTERPRET=1 w
 """
 from __future__ import annotations
 
+import array
 from typing import Sequence
 
 import torch
@@ -284,31 +285,43 @@ def _fp32(value: float) -> float:
     return torch.tensor(value, dtype=torch.float32).item()
 
 
+def _int64s(values: list[int]) -> torch.Tensor:
+    """A list of ints as an int64 tensor; through `array`, much faster than torch.tensor(list)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
 def _segment_table(tensors: Sequence[torch.Tensor], offsets: Sequence[int], window_start: int,
                    window_len: int, device: torch.device) -> torch.Tensor:
-    """int64 [3, S+1]: starts (window coordinates, end sentinel), byte addresses, kinds of the
-    S segments that tile [0, window_len): the clipped tensors in flat order, and GAPs between."""
-    window_end = window_start + window_len
-    pieces = []
-    for t, off in zip(tensors, offsets):
-        start, end = max(off, window_start), min(off + t.numel(), window_end)
-        if start < end:
-            address = t.data_ptr() + (start - off) * t.element_size()
-            pieces.append((start - window_start, end - window_start, address, _KIND_OF[t.dtype]))
-    pieces.sort()
-    starts, addresses, kinds = [], [], []
-    cursor = 0
-    for start, end, address, kind in pieces:
-        if start > cursor:
-            starts.append(cursor), addresses.append(0), kinds.append(int(KIND_GAP))
-        starts.append(start), addresses.append(address), kinds.append(kind)
-        cursor = end
-    if cursor < window_len:
-        starts.append(cursor), addresses.append(0), kinds.append(int(KIND_GAP))
-    starts.append(window_len)
-    addresses.append(0), kinds.append(int(KIND_GAP))  # pad the rows to the same length
-    # From pageable memory, a non_blocking copy is staged before returning: safe to drop the list.
-    return torch.tensor([starts, addresses, kinds], dtype=torch.int64).to(device, non_blocking=True)
+    """int64 [3, S+1]: starts (window coordinates, then an end sentinel), byte addresses and kinds
+    of the S segments that tile [0, window_len): the tensors clipped to the window, in flat order,
+    and GAPs between them. Vectorised: per tensor, only its numel, address and dtype are read in
+    Python (a Python loop doing the clipping costs milliseconds for 1000 tensors)."""
+    numel = _int64s([t.numel() for t in tensors])
+    address = _int64s([t.data_ptr() for t in tensors])
+    kind = _int64s([_KIND_OF[t.dtype] for t in tensors])
+    first = _int64s(list(offsets))
+    start = first.clamp(min=window_start)
+    end = (first + numel).clamp(max=window_start + window_len)
+    inside = start < end
+    itemsize = torch.where(kind == int(KIND_F32), 4, 2)
+    address = (address + (start - first) * itemsize)[inside]
+    start, end, kind = start[inside] - window_start, end[inside] - window_start, kind[inside]
+    # Gaps: before each piece (after the previous one's end), and after the last piece.
+    order = start.argsort()
+    gap_start = torch.cat([start.new_zeros(1), end[order]])
+    gap_end = torch.cat([start[order], start.new_full((1,), window_len)])
+    gap_start = gap_start[gap_end > gap_start]
+    starts = torch.cat([start, gap_start])
+    order = starts.argsort()
+    gap_fill = lambda value: gap_start.new_full(gap_start.shape, value)  # noqa: E731
+    table = torch.stack([starts[order], torch.cat([address, gap_fill(0)])[order],
+                         torch.cat([kind, gap_fill(int(KIND_GAP))])[order]])
+    sentinel = torch.tensor([[window_len], [0], [int(KIND_GAP)]], dtype=torch.int64)
+    table = torch.cat([table, sentinel], dim=1)
+    # From pageable memory, a non_blocking copy is staged before it returns: the host table may go.
+    return table.to(device, non_blocking=True)
 
 
 def _grid(n: int) -> tuple[int]:
