@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .debug import CollectiveError
+
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
@@ -82,10 +84,15 @@ class Pending:
     works: list = field(default_factory=list)
     event: torch.cuda.Event | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)
+    label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        try:
+            for work in self.works:
+                work.wait()
+        except Exception as exc:  # a dead peer or a timeout: say which collective it was
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise CollectiveError(f"rank {rank}: {self.label or 'a collective'} failed: {exc}") from exc
         self.works = []
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
@@ -103,21 +110,25 @@ class Streams:
             self.all_gather = torch.cuda.Stream(device=device, priority=-1)
             self.reduce_scatter = torch.cuda.Stream(device=device, priority=-1)
 
-    def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor]) -> Pending:
+    def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor], label: str = "") -> Pending:
         """Run `fn(async_op) -> list of work handles` as collectives in flight; return their record.
 
         On CUDA `fn` runs on the side stream (allocations included) after that stream waited for the
         compute stream, so it sees every earlier write and may reuse memory freed before this call.
         """
         if not self.cuda:
-            return Pending(works=[w for w in fn(True) if w is not None], keep_alive=keep_alive)
+            try:
+                works = [w for w in fn(True) if w is not None]
+            except Exception as exc:
+                raise CollectiveError(f"rank {dist.get_rank()}: {label} failed: {exc}") from exc
+            return Pending(works=works, keep_alive=keep_alive, label=label)
         stream = getattr(self, stream_name)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn(False)
             event = torch.cuda.Event()
             event.record(stream)
-        return Pending(event=event, keep_alive=keep_alive)
+        return Pending(event=event, keep_alive=keep_alive, label=label)
 
 # torch 2.14 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

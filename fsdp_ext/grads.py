@@ -76,9 +76,14 @@ def reduce_bucket(unit, index: int, grads) -> None:
         result.update(output=output, flat=flat)
         return works
 
+    checker = unit.schedule.checker
+    checker.check(groups.shard, "reduce_scatter", unit.name, index, bucket.numel_padded, reduce_dtype)
+    checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel, reduce_dtype)
     RECORDER.add("reduce_scatter.issue", unit.name)
     with torch.profiler.record_function(f"fsdp_ext::reduce_scatter[{unit.name or 'root'}]"):
-        pending = unit.schedule.streams.launch("reduce_scatter", collectives, keep_alive=[])
+        pending = unit.schedule.streams.launch(
+            "reduce_scatter", collectives, keep_alive=[],
+            label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}")
     pending.keep_alive.extend([result["flat"], *[g for g in grads if g is not None]])
     used_now, state.used = state.used, []
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .debug import CollectiveChecker
 from .trace import RECORDER
 from .unit import Unit, unit_of
 
@@ -33,6 +34,7 @@ class Schedule:
         self.units = units
         self.options = {**DEFAULT_OPTIONS, **root.options}
         self.streams = comm.Streams(root.groups.device)
+        self.checker = CollectiveChecker(root.groups.device)
         self.forward_order: list[Unit] = []
         self._recording: list[Unit] = []
         self.in_forward = False
@@ -62,6 +64,7 @@ class Schedule:
     # ---- forward ------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
         self.drain_reduce_scatters()
+        self.checker.next_iteration()
         self._recording = []
         self.in_forward = True
 

@@ -125,10 +125,16 @@ class Unit:
         """Issue the all-gathers of every bucket (no-op if unsharded or already in flight)."""
         if self.unsharded or self.pending_unshard is not None:
             return
+        regather = self.post_forward_chunks is not None
+        group = self.groups.post_forward if regather else self.groups.shard
+        for i, bucket in enumerate(self.buckets):
+            self.schedule.checker.check(group, "all_gather", self.name, i, bucket.numel_padded,
+                                        self.full[i].dtype)
         RECORDER.add("all_gather.issue", self.name)
         with torch.profiler.record_function(f"fsdp_ext::all_gather[{self.name or 'root'}]"):
             self.pending_unshard = self.schedule.streams.launch(
-                "all_gather", self._all_gather_fn, keep_alive=[])
+                "all_gather", self._all_gather_fn, keep_alive=[],
+                label=f"all_gather of unit '{self.name or '<root>'}'")
         self.schedule.note_unshard()
         if not async_op:
             self.wait_unshard()
