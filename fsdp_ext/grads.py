@@ -59,7 +59,8 @@ def reduce_bucket(unit, index: int, grads) -> None:
     result = {}
 
     def collectives(async_op: bool) -> list:
-        flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
+        with torch.profiler.record_function(f"fsdp_ext::pack_grads[{unit.name or 'root'}]"):
+            flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
         if state.unsharded_accumulator is not None:
             flat.add_(state.unsharded_accumulator)
             state.unsharded_accumulator = None
@@ -94,7 +95,8 @@ def reduce_bucket(unit, index: int, grads) -> None:
         if unit.offload is not None:
             reduced = to_host(reduced)
         accumulate = bucket.sync_param_grads_into_buffer()
-        ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
+        with torch.profiler.record_function(f"fsdp_ext::grad_epilogue[{unit.name or 'root'}]"):
+            ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
         for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):
             # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
             if slot.param.grad is None and not was_used and not view.any():

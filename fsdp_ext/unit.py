@@ -150,7 +150,8 @@ class Unit:
                 source, slot, group = bucket.shard, self.groups.shard_rank, self.groups.shard
                 if self.offload is not None:
                     source = to_compute_device(source, full.device)
-            ops.cast_into_slot(source, full, slot)
+            with torch.profiler.record_function(f"fsdp_ext::copy_in[{self.name or 'root'}]"):
+                ops.cast_into_slot(source, full, slot)
             if group is not None:
                 slot_view = full.narrow(0, slot * source.numel(), source.numel())
                 works.append(comm.all_gather_into(full, slot_view, group, async_op))
