@@ -6,12 +6,21 @@ from .debug import CollectiveError, CollectiveMismatchError
 from .fsdp1 import FullyShardedDataParallel
 from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
-from .state_dict import full_state_dict
+from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .load_state_dict import load_full_state_dict
+from .optim_state_dict import load_optim_state_dict, optim_state_dict
+from .safetensors_io import export_safetensors
+from .state_dict import full_state_dict, sharded_state_dict
+from .summon import summon_full_params
 from .wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 __all__ = [
+    "CheckpointError", "FullStateDictConfig", "ShardedStateDictConfig", "StateDictType",
+    "export_safetensors", "load_checkpoint", "load_full_state_dict", "load_optim_state_dict",
+    "optim_state_dict", "save_checkpoint", "sharded_state_dict",
     "BackwardPrefetch", "CPUOffloadPolicy", "CollectiveError", "CollectiveMismatchError",
     "FSDPModule", "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy",
     "ModuleWrapPolicy", "NonFiniteGradientError", "ShardingStrategy", "clip_grad_norm_",
-    "full_state_dict", "fully_shard", "size_based_auto_wrap_policy",
+    "full_state_dict", "fully_shard", "size_based_auto_wrap_policy", "summon_full_params",
 ]

@@ -16,6 +16,7 @@ from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
 from .clip import clip_grad_norm_
 from .mixed_precision import MixedPrecision
 from .offload import CPUOffloadPolicy
+from .summon import summon_full_params
 from .wrap import apply_auto_wrap
 
 
@@ -58,6 +59,11 @@ class FullyShardedDataParallel(nn.Module):
                 mesh = _hybrid_mesh(device_type)
         elif strategy is ShardingStrategy.NO_SHARD:
             group = (None, group or dist.group.WORLD)
+        if sync_module_states:  # start every rank from rank 0's values, as FSDP1 does
+            with torch.no_grad():
+                for tensor in list(module.parameters()) + list(module.buffers()):
+                    if not tensor.is_meta:
+                        dist.broadcast(tensor.data, src=0)
         mp = mixed_precision or MixedPrecision()
         if mp.buffer_dtype is not None:
             for buf in module.buffers():
@@ -109,6 +115,13 @@ class FullyShardedDataParallel(nn.Module):
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all sharded gradients; returns the true global norm, the same on every rank."""
         return clip_grad_norm_(self._fsdp_wrapped_module, max_norm, norm_type, error_if_nonfinite)
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           **unused):
+        """Full parameters in place inside the block (see fsdp_ext.summon_full_params)."""
+        target = module._fsdp_wrapped_module if isinstance(module, FullyShardedDataParallel) else module
+        return summon_full_params(target, writeback=writeback)
 
     @contextlib.contextmanager
     def no_sync(self):

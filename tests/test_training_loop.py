@@ -214,7 +214,29 @@ def check_tied_across_units_rejected(rank: int, world_size: int) -> None:
         fsdp_ext.fully_shard(model)
 
 
+def check_summon_and_sync_module_states(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # every rank starts different; sync_module_states takes rank 0's
+    model = MLP()
+    rank0 = [p.detach().clone() for p in model.parameters()]
+    for t in rank0:
+        dist.broadcast(t, src=0)
+    model = fsdp_ext.FullyShardedDataParallel(
+        model, auto_wrap_policy=fsdp_ext.ModuleWrapPolicy({nn.Sequential}), sync_module_states=True)
+    with fsdp_ext.FullyShardedDataParallel.summon_full_params(model):
+        for p, expected in zip(model.parameters(), rank0):
+            torch.testing.assert_close(p, expected, atol=0, rtol=0)
+        with torch.no_grad():
+            model.module.head.weight.fill_(0.5)
+    assert model.module.head.weight.dim() == 1, "back to the shard view after the block"
+    full = fsdp_ext.full_state_dict(model)
+    assert bool((full["head.weight"] == 0.5).all()), "writeback lost"
+    with fsdp_ext.summon_full_params(model, writeback=False), torch.no_grad():
+        model.module.head.weight.fill_(-1.0)
+    assert bool((fsdp_ext.full_state_dict(model)["head.weight"] == 0.5).all())
+
+
 def training_loop_worker(rank: int, world_size: int) -> None:
+    check_summon_and_sync_module_states(rank, world_size)
     check_gradient_accumulation(rank, world_size)
     check_clip_grad_norm(rank, world_size)
     if world_size == 4:
