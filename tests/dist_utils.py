@@ -21,12 +21,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
@@ -38,10 +40,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float) ->
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; re-raise any rank's failure."""
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args, timeout_s), nprocs=world_size,
-             join=True)
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0,
+                    backend: str = "gloo") -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; re-raise any rank's failure."""
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args, timeout_s, backend),
+             nprocs=world_size, join=True)
 
 
 def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
