@@ -58,3 +58,25 @@ def span(kind: str, unit_name: str):
     with torch.profiler.record_function(label(unit_name, kind)):
         yield
     RECORDER.add(kind + ".end", unit_name)
+
+
+# Profiler ranges that open in one hook and close in another: a unit's forward compute runs between
+# its forward pre-hook and post-hook, its backward compute between its pre-backward hook and its
+# post-backward. Keyed by (kind, unit object id); a second begin while one is open is a no-op (a unit
+# whose outputs each fire the pre-backward hook).
+_OPEN_RANGES: dict[tuple[str, int], torch.profiler.record_function] = {}
+
+
+def begin_range(kind: str, unit) -> None:
+    """Open the profiler range `fsdp_ext::{kind}[unit]` (closed by `end_range`)."""
+    key = (kind, id(unit))
+    if key not in _OPEN_RANGES:
+        rf = torch.profiler.record_function(label(unit.name, kind))
+        rf.__enter__()
+        _OPEN_RANGES[key] = rf
+
+
+def end_range(kind: str, unit) -> None:
+    rf = _OPEN_RANGES.pop((kind, id(unit)), None)
+    if rf is not None:
+        rf.__exit__(None, None, None)
