@@ -273,6 +273,12 @@ class Unit:
         # the backward of its later use and needed again for the earlier one.
         self.unshard()
         self.wait_unshard()
+        # A recomputation that calls the module's `forward` without its hooks (transformers'
+        # gradient checkpointing wraps `forward`, not `__call__`) reads the module's attributes:
+        # they must be the gathered parameters, tracked as in forward so that it saves the same
+        # tensors (and, when reentrant, sends the parameters' gradients to post_backward).
+        with torch.enable_grad():
+            self.use_unsharded_params()
         schedule.prefetch_backward(self, "pre")
         begin_range("backward", self)
         return None
@@ -285,6 +291,7 @@ class Unit:
         for i in self.grad_bucket_indices:
             reduce_bucket(self, i, [next(grads) for _ in self.buckets[i].slots])
         self.reshard()
+        self.use_sharded_params()
         self.schedule.prefetch_backward(self, "post")
 
     def reset_backward_state(self) -> None:
