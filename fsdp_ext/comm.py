@@ -143,5 +143,20 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_o
     return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def reduce_scatter_into(flat: torch.Tensor, shard_numel: int, rank: int, group, async_op: bool):
+    """Sum `flat` over `group`; return (this rank's [shard_numel] part of the sum, work handle).
+
+    gloo (every CPU tensor) has no native reduce-scatter: reduce_scatter_tensor clones its input,
+    all-reduces the clone and copies the rank's chunk out when waited on. An all-reduce in place on
+    the packed buffer (ours, read by nobody else) moves the same bytes without the clone, the copy
+    or the output tensor; the rank's slice of it is the result.
+    """
+    if flat.device.type == "cpu":
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return flat.narrow(0, rank * shard_numel, shard_numel), work
+    output = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
+    return output, reduce_scatter_sum(output, flat, group, async_op)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

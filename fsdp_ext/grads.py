@@ -67,11 +67,12 @@ def reduce_bucket(unit, index: int, grads) -> None:
         if groups.shard is None:
             output, works = flat, []
         else:
-            output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=device)
             # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
             # blocking reduce-scatter and an asynchronous all-reduce.
-            works = [comm.reduce_scatter_sum(output, flat, groups.shard,
-                                             async_op and groups.replicate is None)]
+            output, work = comm.reduce_scatter_into(flat, bucket.shard_numel, groups.shard_rank,
+                                                    groups.shard,
+                                                    async_op and groups.replicate is None)
+            works = [work]
         if groups.replicate is not None:
             works = [comm.all_reduce_sum(output, groups.replicate, async_op)]
         result.update(output=output, flat=flat)
