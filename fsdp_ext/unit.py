@@ -135,6 +135,7 @@ class Unit:
             self.pending_unshard = self.schedule.streams.launch(
                 "all_gather", self._all_gather_fn, keep_alive=[],
                 label=f"all_gather of unit '{self.name or '<root>'}'")
+        RECORDER.add("all_gather.issued", self.name)  # launched: copy-in done, collective queued
         self.schedule.note_unshard()
         if not async_op:
             self.wait_unshard()
