@@ -86,6 +86,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
         pending = unit.schedule.streams.launch(
             "reduce_scatter", collectives, keep_alive=[],
             label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}")
+    RECORDER.add("reduce_scatter.issued", unit.name)  # launched: gradients packed, collective queued
     pending.keep_alive.extend([result["flat"], *[g for g in grads if g is not None]])
     used_now, state.used = state.used, []
 
