@@ -3,6 +3,7 @@ from . import ops  # noqa: F401
 from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
 from .clip import NonFiniteGradientError, clip_grad_norm_
 from .debug import CollectiveError, CollectiveMismatchError
+from .describe import describe
 from .fsdp1 import FullyShardedDataParallel
 from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
@@ -23,4 +24,5 @@ __all__ = [
     "FSDPModule", "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy",
     "ModuleWrapPolicy", "NonFiniteGradientError", "ShardingStrategy", "clip_grad_norm_",
     "full_state_dict", "fully_shard", "size_based_auto_wrap_policy", "summon_full_params",
+    "describe",
 ]
