@@ -87,7 +87,10 @@ def reduce_bucket(unit, index: int, grads) -> None:
             "reduce_scatter", collectives, keep_alive=[],
             label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}")
     RECORDER.add("reduce_scatter.issued", unit.name)  # launched: gradients packed, collective queued
-    pending.keep_alive.extend([result["flat"], *[g for g in grads if g is not None]])
+    # On CUDA the pack runs on the side stream, so the gradients it reads must outlive it; on CPU
+    # it already ran, and dropping them now frees a unit's gradients per pending reduce-scatter.
+    kept = [g for g in grads if g is not None] if device.type == "cuda" else []
+    pending.keep_alive.extend([result["flat"], *kept])
     used_now, state.used = state.used, []
 
     def finish() -> None:
