@@ -10,7 +10,7 @@ NPROC   ?= 2
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH)" ninja pybind11 pytest numpy setuptools wheel hypothesis
+	$(VPY) -m pip install -q "$(TORCH)" ninja pybind11 pytest numpy setuptools wheel hypothesis tqdm transformers matplotlib
 	touch $@
 
 venv: $(VENV)/.installed
@@ -33,11 +33,12 @@ cuda-check: venv
 
 # The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), a few minutes.
 train: build
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --profile --out-dir out/train
 
 # The main job at a reduced size, for CI.
 train-smoke: build
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --steps 5 --n-layer 2 --d-model 64
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --steps 5 --n-layer 2 --d-model 64 \
+		--profile --out-dir out/smoke
 
 bench: build
 	$(VPY) benchmarks/bench_kernels.py

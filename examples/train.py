@@ -1,0 +1,299 @@
+"""The main job: train a small GPT (fsdp_ext/models.py) on bytes of text with fsdp_ext.
+
+    torchrun --standalone --nproc-per-node 2 examples/train.py            # CPU: gloo, a few minutes
+    torchrun --standalone --nproc-per-node 8 examples/train.py --mixed-precision bf16   # GPUs: NCCL
+
+With GPUs present each rank uses its local GPU and NCCL; otherwise the CPU and gloo. The script is
+the same on one node or many (see docs/README_trainer.md). Only rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # corpus.py and report.py; fsdp_ext from this checkout
+import corpus  # noqa: E402
+import report  # noqa: E402
+
+import fsdp_ext  # noqa: E402
+from fsdp_ext.models import GPT, Block, GPTConfig  # noqa: E402
+from fsdp_ext.trace import recording  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD",
+                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
+    p.add_argument("--api", choices=["fully_shard", "fsdp1"], default="fully_shard")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="units all-gathered ahead")
+    p.add_argument("--data", help="a text file to train on (default: this repository's sources)")
+    p.add_argument("--checkpoint-dir", help="save the model here (at the end and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="end this run after so many steps (to fit a time slot; resume later)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile two steps: Chrome traces and a timeline PNG in --out-dir")
+    p.add_argument("--out-dir", default="out")
+    p.add_argument("--describe", action="store_true",
+                   help="run one forward/backward, print the unit plan and exit")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def init_distributed() -> torch.device:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python train.py` runs as one rank."""
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29511").items():
+        os.environ.setdefault(key, value)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def shard(model: GPT, args, device: torch.device):
+    """Each transformer block is a unit, the root holds the embeddings (tied to the output layer)."""
+    bf16 = args.mixed_precision == "bf16"
+    strategy = args.sharding_strategy
+    if args.api == "fsdp1":
+        mp = (fsdp_ext.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else None)
+        model = fsdp_ext.FullyShardedDataParallel(
+            model, auto_wrap_policy=fsdp_ext.ModuleWrapPolicy({Block}), mixed_precision=mp,
+            sharding_strategy=getattr(fsdp_ext.ShardingStrategy, strategy),
+            device_id=device if device.type == "cuda" else None)
+        model.module.set_prefetch_depth(args.prefetch_depth, args.prefetch_depth)
+        return model
+    kwargs = dict(forward_prefetch=args.prefetch_depth, backward_prefetch=args.prefetch_depth)
+    if bf16:
+        kwargs["mp_policy"] = fsdp_ext.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                            reduce_dtype=torch.float32)
+    if strategy == "NO_SHARD":
+        kwargs["process_group"] = (None, dist.group.WORLD)  # (shard, replicate): replicate only
+    elif strategy == "HYBRID_SHARD":  # shard within a node, replicate across nodes
+        from torch.distributed.device_mesh import init_device_mesh
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        kwargs["mesh"] = init_device_mesh(device.type, (dist.get_world_size() // local, local),
+                                          mesh_dim_names=("replicate", "shard"))
+    model.to(device)
+    for block in model.blocks:
+        fsdp_ext.fully_shard(block, reshard_after_forward=strategy != "SHARD_GRAD_OP", **kwargs)
+    return fsdp_ext.fully_shard(model, **kwargs)
+
+
+# ---- checkpoints: the only two functions that know the format ---------------------------------------
+def save_checkpoint(model, optimizer, step: int, directory: str) -> None:
+    """The full model state from rank 0 (one file) plus each rank's optimizer shard.
+
+    Written to a temporary name and renamed, so a crash never leaves a half-written checkpoint. The
+    optimizer state is over this rank's shard, so resuming it needs the same world size and plan.
+    """
+    state = fsdp_ext.full_state_dict(model, rank0_only=True, cpu_offload=True)
+    rank = dist.get_rank()
+    os.makedirs(directory, exist_ok=True)
+    files = [(f"optim_rank{rank}.pt", {"optim": optimizer.state_dict(), "step": step})]
+    if rank == 0:
+        files.append(("model.pt", {"model": state, "step": step,
+                                   "world_size": dist.get_world_size()}))
+    for name, obj in files:
+        tmp = os.path.join(directory, name + ".tmp")
+        torch.save(obj, tmp)
+        os.replace(tmp, os.path.join(directory, name))
+    dist.barrier()
+
+
+def load_model_checkpoint(model: GPT, directory: str) -> dict:
+    """Load the full state into the unwrapped model (before sharding); returns the file's header."""
+    ckpt = torch.load(os.path.join(directory, "model.pt"), map_location="cpu", weights_only=True)
+    model.load_state_dict(ckpt.pop("model"))
+    return ckpt
+
+
+def load_optimizer_checkpoint(optimizer, directory: str, world_size: int) -> bool:
+    path = os.path.join(directory, f"optim_rank{dist.get_rank()}.pt")
+    if world_size != dist.get_world_size() or not os.path.exists(path):
+        return False  # a different world size re-shards: the optimizer starts afresh
+    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["optim"])
+    return True
+
+
+# ---- training ---------------------------------------------------------------------------------------
+def lr_at(step: int, args) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to a tenth."""
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train_step(model, optimizer, data, args, step: int, device) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches; returns the mean loss (detached)."""
+    rank, total = dist.get_rank(), torch.zeros((), device=device)
+    for micro in range(args.grad_accum):
+        last = micro == args.grad_accum - 1
+        # Gradients of all but the last micro-batch stay local (no reduce-scatter).
+        ctx = contextlib.nullcontext()
+        if args.api == "fsdp1" and not last:
+            ctx = model.no_sync()
+        elif args.api == "fully_shard":
+            model.set_requires_gradient_sync(last)
+        x, y = corpus.batch(data, args.batch_size, args.block_size, args.seed, step, rank, micro)
+        with ctx:
+            loss = model(x.to(device), y.to(device)) / args.grad_accum
+            loss.backward()
+        total += loss.detach()
+    if args.grad_clip > 0:  # the norm over every rank's shards, as without sharding
+        model.clip_grad_norm_(args.grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, data, args, device, batches: int = 4) -> float:
+    losses = [model(*(t.to(device) for t in corpus.batch(data, args.batch_size, args.block_size,
+                                                        args.seed + 1, i, dist.get_rank())))
+              for i in range(batches)]
+    loss = torch.stack(losses).mean()
+    dist.all_reduce(loss)
+    return loss.item() / dist.get_world_size()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                    d_model=args.d_model)
+    model, start = GPT(cfg), 0
+    header = None
+    if args.resume:
+        header = load_model_checkpoint(model, args.checkpoint_dir)
+        start = header["step"]
+    n_params = model.num_params()
+    model = shard(model, args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    if header is not None:
+        restored = load_optimizer_checkpoint(optimizer, args.checkpoint_dir, header["world_size"])
+        if rank == 0:
+            print(f"resumed from {args.checkpoint_dir} at step {start} "
+                  f"(optimizer state {'restored' if restored else 'reset'})")
+    train, val = corpus.split(corpus.load_corpus(args.data))
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
+    if args.describe:
+        x, y = corpus.batch(train, args.batch_size, args.block_size, args.seed, 0, rank)
+        model(x.to(device), y.to(device)).backward()  # the first step records the unit order
+        text = fsdp_ext.describe(model, file=None)
+        if rank == 0:
+            print(text)
+        return dist.destroy_process_group()
+    if rank == 0:
+        print(f"GPT {n_params / 1e6:.2f}M parameters, {args.n_layer} layers, d_model "
+              f"{args.d_model}; {world} ranks on {device.type} ({dist.get_backend()}), "
+              f"{args.api}/{args.sharding_strategy}, precision {args.mixed_precision}; "
+              f"corpus {len(train):,} bytes")
+    bar = report.progress_bar(args.steps, start, enabled=rank == 0)
+    end = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
+    # Profile the last two steps (never the first: it runs without prefetch).
+    profile_at = max(start + 1, end - 2) if args.profile else -1
+    profiler, step_times, tokens_per_s, recorded_from = None, [], 0.0, start
+    with recording() as events:
+        for step in range(start, end):
+            if step == start + 1:
+                events.clear()  # the first step learns the order and runs without prefetch
+                recorded_from = step
+            if step == profile_at:
+                profiler = _start_profiler(device)
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, train, args, step, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if step > start and profiler is None:
+                step_times.append(dt)
+            tokens_per_s = tokens_per_step / dt
+            if profiler is not None and step + 1 == min(profile_at + 2, end):
+                _finish_profiler(profiler, events, args.out_dir, args)
+                profiler = None
+            if (step + 1) % args.log_every == 0 or step + 1 == end:
+                dist.all_reduce(loss)
+                rows = report.gather_floats([*report.memory_mb(device)], device)
+                bar.set_postfix(report.progress_fields(loss.item() / world, tokens_per_s, rows,
+                                                       device.type == "cuda"), refresh=False)
+            if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
+                save_checkpoint(model, optimizer, step + 1, args.checkpoint_dir)
+            bar.update(1)
+        bar.close()
+        steps_recorded, recorded = end - recorded_from, list(events)
+    if args.checkpoint_dir and (not args.save_every or end % args.save_every):
+        save_checkpoint(model, optimizer, end, args.checkpoint_dir)
+    val_loss = evaluate(model, val, args, device)
+    table = report.summary(step_times, tokens_per_step, recorded, steps_recorded, device,
+                           {"validation loss": f"{val_loss:.4f} (bytes held out of training)"})
+    if rank == 0:
+        print(table)
+    dist.destroy_process_group()
+
+
+def _start_profiler(device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    else:  # a CUDA build of torch on a machine without a GPU logs a harmless device-count error
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def _finish_profiler(profiler, events, out_dir: str, args) -> None:
+    """Chrome trace per rank; one PNG of the last profiled step with every rank's lanes."""
+    from fsdp_ext import timeline
+    profiler.__exit__(None, None, None)
+    os.makedirs(out_dir, exist_ok=True)
+    rank = dist.get_rank()
+    profiler.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json"))
+    per_rank = timeline.gather_to_rank0(timeline.last_step(events))
+    if rank == 0:
+        title = (f"fsdp_ext timeline: GPT {args.n_layer} layers d_model {args.d_model}, "
+                 f"{dist.get_world_size()} ranks, {args.api}/{args.sharding_strategy}, "
+                 f"prefetch depth {args.prefetch_depth}, "
+                 f"{'bf16' if args.mixed_precision == 'bf16' else 'fp32'}")
+        path = os.path.join(out_dir, "timeline.png")
+        timeline.draw(per_rank, path, title)
+        report.write(f"wrote {out_dir}/trace_rank*.json and {path}")
+
+
+if __name__ == "__main__":
+    main()
