@@ -1,0 +1,261 @@
+"""The C++ CPU kernels (backend="cpp") against the plain-torch reference, bit for bit.
+
+The comparison helpers take a device and a backend so tests/test_ops_cuda.py runs the same cases on
+CUDA tensors. Values stress rounding: normals scaled by powers of two, exact ties for bf16 and fp16,
+fp16 subnormals and overflow, fp32 subnormals, +-0, +-inf and NaN (NaN must stay NaN; its payload
+is not specified, so NaN positions are compared, every other value bit for bit).
+"""
+import itertools
+import re
+
+import pytest
+import torch
+
+import fsdp_ext.ops as ops
+
+pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="fsdp_ext._C is not built")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PAIRS = list(itertools.product(DTYPES, DTYPES))
+SCALES = (1.0, 0.37)  # 0.37 is not a power of two: the scaled product itself needs rounding
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def stress_values(n, dtype, seed, device="cpu"):
+    """n values of `dtype` that exercise every rounding path (built in fp32, then cast by torch)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 31, (n,), generator=gen).float())
+    mantissa = torch.randint(0, 1 << 23, (n,), generator=gen, dtype=torch.int32)
+    exponent = torch.randint(103, 143, (n,), generator=gen, dtype=torch.int32)  # 2^-24 .. 2^15
+    bf16_ties = ((exponent << 23) | (mantissa & ~0xFFFF) | 0x8000).view(torch.float32)
+    fp16_ties = ((exponent << 23) | (mantissa & ~0x1FFF) | 0x1000).view(torch.float32)
+    fp16_subnormal_ties = (torch.randint(0, 1024, (n,), generator=gen) + 0.5) * 2.0 ** -24
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99,
+                             65520.0, -65520.0, 2.0 ** -25, 2.0 ** -24, 1e-40, -1e-45, 3.4e38])
+    pool = torch.cat([bf16_ties, fp16_ties, fp16_subnormal_ties, specials])
+    pick = torch.rand(n, generator=gen) < 0.5
+    x[pick] = pool[torch.randint(0, len(pool), (int(pick.sum()),), generator=gen)]
+    return x.to(dtype).to(device)
+
+
+def assert_bitwise_equal(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+    finite = ~actual.isnan()
+    assert torch.equal(actual.view(BITS[actual.dtype])[finite], expected.view(BITS[expected.dtype])[finite])
+
+
+def random_layout(numels, seed, max_gap=5):
+    """Flat offsets for tensors of `numels`, placed in a shuffled order with random gaps between
+    them (so list order is not flat order); returns (offsets, total flat length)."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets, position = [0] * len(numels), 0
+    for i in torch.randperm(len(numels), generator=gen).tolist():
+        position += int(torch.randint(0, max_gap + 1, (1,), generator=gen))
+        offsets[i] = position
+        position += numels[i]
+    return offsets, position
+
+
+def check_pack(shapes, src_dtypes, dst_dtype, scale, window, device="cpu", backend="cpp", seed=0):
+    """pack srcs of `shapes` (random layout) into the flat window (lo, hi); compare to reference."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    offsets, total = random_layout(numels, seed)
+    srcs = [stress_values(n, dt, seed + i, device).reshape(s)
+            for i, (n, s, dt) in enumerate(zip(numels, shapes, itertools.cycle(src_dtypes)))]
+    lo, hi = window if window else (0, total)
+    actual = torch.full((hi - lo,), 7.0, dtype=dst_dtype, device=device)  # zero-fill must overwrite
+    expected = actual.clone()
+    ops.pack(srcs, offsets, actual, lo, scale, backend=backend)
+    ops.pack(srcs, offsets, expected, lo, scale, backend="torch")
+    assert_bitwise_equal(actual, expected)
+
+
+def check_unpack(shapes, src_dtype, dst_dtypes, window, device="cpu", backend="cpp", seed=0):
+    """unpack the flat window (lo, hi) into outs of `shapes`; parts outside must stay untouched."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    offsets, total = random_layout(numels, seed)
+    lo, hi = window if window else (0, total)
+    src = stress_values(hi - lo, src_dtype, seed, device)
+    actual = [torch.full(s, -3.0, dtype=dt, device=device)
+              for s, dt in zip(shapes, itertools.cycle(dst_dtypes))]
+    expected = [t.clone() for t in actual]
+    ops.unpack(src, lo, offsets, actual, backend=backend)
+    ops.unpack(src, lo, offsets, expected, backend="torch")
+    for a, e in zip(actual, expected):
+        assert_bitwise_equal(a, e)
+
+
+def check_cast_into_slot(shape, src_dtype, dst_dtype, world, slot, device="cpu", backend="cpp"):
+    shard = stress_values(int(torch.Size(shape).numel()), src_dtype, slot, device).reshape(shape)
+    actual = torch.full((world * shard.numel(),), 5.0, dtype=dst_dtype, device=device)
+    expected = actual.clone()
+    ops.cast_into_slot(shard, actual, slot, backend=backend)
+    ops.cast_into_slot(shard, expected, slot, backend="torch")
+    assert_bitwise_equal(actual, expected)
+
+
+def check_grad_epilogue(shape, src_dtype, dst_dtype, scale, accumulate, device="cpu", backend="cpp"):
+    n = int(torch.Size(shape).numel())
+    reduced = stress_values(n, src_dtype, 1, device).reshape(shape)
+    actual = stress_values(n, dst_dtype, 2, device).reshape(shape)
+    expected = actual.clone()
+    ops.grad_epilogue(reduced, actual, scale, accumulate, backend=backend)
+    ops.grad_epilogue(reduced, expected, scale, accumulate, backend="torch")
+    assert_bitwise_equal(actual, expected)
+
+
+# Shapes with odd sizes, a 2-D source, an empty and a 1-element tensor; windows that clip the first
+# and last covered sources, leave some sources entirely outside, or cover everything.
+SHAPES = [(7,), (3, 5), (0,), (1,), (33,), (2, 2, 3), (129,), (1,), (17,)]
+WINDOWS = [None, (9, 150), (40, 41), (0, 0), (100, 400)]
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
+@pytest.mark.parametrize("scale", SCALES)
+def test_pack_dtype_pairs(src_dtype, dst_dtype, scale):
+    for seed, window in enumerate(WINDOWS):
+        check_pack(SHAPES, [src_dtype], dst_dtype, scale, window, seed=seed)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
+def test_unpack_dtype_pairs(src_dtype, dst_dtype):
+    for seed, window in enumerate(WINDOWS):
+        check_unpack(SHAPES, src_dtype, [dst_dtype], window, seed=seed)
+
+
+def test_mixed_dtypes_in_one_call():
+    check_pack(SHAPES, DTYPES, torch.bfloat16, 0.5, (3, 170))
+    check_unpack(SHAPES, torch.float32, DTYPES, (3, 170))
+
+
+def test_empty_lists_and_windows():
+    check_pack([], [torch.float32], torch.float32, 1.0, (0, 11))  # all zero fill
+    check_pack([(5,)], [torch.float32], torch.float16, 1.0, (2, 2))
+    check_unpack([], torch.float32, [torch.float32], (0, 11))
+
+
+def test_thousand_tiny_tensors():
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(int(s),) for s in torch.randint(0, 20, (1000,), generator=gen) * 2 + 1]
+    check_pack(shapes, DTYPES, torch.float32, 1.0, None, seed=5)
+    check_pack(shapes, [torch.float32], torch.bfloat16, 0.25, (1234, 9000), seed=6)
+    check_unpack(shapes, torch.bfloat16, DTYPES, (77, 12001), seed=7)
+
+
+def test_one_large_tensor():
+    # 1.5M elements: split across threads, with the window clipping both ends.
+    check_pack([(1 << 20,), (1 << 19,)], [torch.float32], torch.bfloat16, 1.0, (1000, (3 << 19) - 5))
+    check_pack([(1 << 20,)], [torch.float32], torch.float32, 1.0, None)  # memcpy path
+    check_unpack([(1 << 20,)], torch.bfloat16, [torch.float32], (3, 1 << 20))
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
+def test_cast_into_slot(src_dtype, dst_dtype):
+    for shape, world in [((3, 7), 4), ((1,), 1), ((0,), 3), (((1 << 16) + 3,), 2)]:
+        for slot in {0, world - 1}:
+            check_cast_into_slot(shape, src_dtype, dst_dtype, world, slot)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_grad_epilogue(src_dtype, dst_dtype, scale, accumulate):
+    for shape in [(4, 33), (1,), (0,), ((1 << 16) + 1,)]:
+        check_grad_epilogue(shape, src_dtype, dst_dtype, scale, accumulate)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16_bit_pattern_widens_exactly(dtype):
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    actual, expected = torch.empty(len(every)), torch.empty(len(every))
+    ops.pack([every], [0], actual, backend="cpp")
+    ops.pack([every], [0], expected, backend="torch")
+    assert_bitwise_equal(actual, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_rounding_patterns_match_torch(dtype):
+    """Every sign and exponent with every pattern of the low 17 mantissa bits (all that rounding
+    to bf16 looks at, and to fp16 outside its subnormals), under two patterns of the high bits:
+    all ones (rounding carries into the exponent) and 0b010110."""
+    low = torch.arange(1 << 17, dtype=torch.int64)
+    for high in (0x3F, 0x16):
+        for first in range(0, 512, 32):  # 32 sign/exponent values, 4M floats per call
+            top = (torch.arange(first, first + 32, dtype=torch.int64) << 23) | (high << 17)
+            values = (top[:, None] | low).reshape(-1).to(torch.int32).view(torch.float32)
+            actual, expected = torch.empty(len(values), dtype=dtype), values.to(dtype)
+            ops.pack([values], [0], actual, backend="cpp")
+            nan = actual.isnan()  # compared without assert_close, which is slow at this size
+            assert torch.equal(nan, expected.isnan())
+            assert torch.equal(actual.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+# (op, arguments, the name the error must mention). A 'meta' tensor stands in for a wrong device.
+ERROR_CASES = {
+    "pack overlapping sources": (ops.pack, lambda: ([_t(4), _t(4)], [0, 2], _t(8)), "srcs[1]"),
+    "pack wrong device": (ops.pack, lambda: ([_t(4, device="meta")], [0], _t(8)), "srcs[0]"),
+    "pack non-contiguous": (ops.pack, lambda: ([_t(3, 4).t()], [0], _t(12)), "srcs[0]"),
+    "pack int source": (ops.pack, lambda: ([_t(4, dtype=torch.int32)], [0], _t(8)), "srcs[0]"),
+    "pack int out": (ops.pack, lambda: ([_t(4)], [0], _t(8, dtype=torch.int64)), "out"),
+    "pack 2-D out": (ops.pack, lambda: ([_t(4)], [0], _t(2, 4)), "out"),
+    "pack negative offset": (ops.pack, lambda: ([_t(4)], [-1], _t(8)), "offsets[0]"),
+    "pack negative out_offset": (ops.pack, lambda: ([_t(4)], [0], _t(8), -2), "out_offset"),
+    "pack length mismatch": (ops.pack, lambda: ([_t(4), _t(1)], [0], _t(8)), "offsets"),
+    "unpack overlapping outs": (ops.unpack, lambda: (_t(8), 0, [3, 0], [_t(2), _t(4)]), "outs[0]"),
+    "unpack wrong device": (ops.unpack, lambda: (_t(8), 0, [0], [_t(2, device="meta")]), "outs[0]"),
+    "unpack non-contiguous": (ops.unpack, lambda: (_t(8), 0, [0], [_t(2, 3).t()]), "outs[0]"),
+    "unpack int source": (ops.unpack, lambda: (_t(8, dtype=torch.int16), 0, [0], [_t(2)]), "src"),
+    "unpack negative src_offset": (ops.unpack, lambda: (_t(8), -1, [0], [_t(2)]), "src_offset"),
+    "slot out of range": (ops.cast_into_slot, lambda: (_t(4), _t(10), 2), "slot 2"),
+    "negative slot": (ops.cast_into_slot, lambda: (_t(4), _t(10), -1), "slot"),
+    "slot int shard": (ops.cast_into_slot, lambda: (_t(4, dtype=torch.int8), _t(8), 0), "shard"),
+    "slot non-contiguous gathered": (ops.cast_into_slot, lambda: (_t(4), _t(16)[::2], 0), "gathered"),
+    "slot wrong device": (ops.cast_into_slot, lambda: (_t(4, device="meta"), _t(8), 0), "shard"),
+    "epilogue size mismatch": (ops.grad_epilogue, lambda: (_t(4), _t(5)), "reduced"),
+    "epilogue int out": (ops.grad_epilogue, lambda: (_t(4), _t(4, dtype=torch.int32)), "out"),
+    "epilogue wrong device": (ops.grad_epilogue, lambda: (_t(4, device="meta"), _t(4)), "reduced"),
+    "epilogue non-contiguous": (ops.grad_epilogue, lambda: (_t(2, 2).t(), _t(4)), "reduced"),
+}
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_bad_arguments_are_named(case, backend):
+    op, make_args, name = ERROR_CASES[case]
+    with pytest.raises(ValueError, match=re.escape(name)):
+        op(*make_args(), backend=backend)
+
+
+def test_gathered_must_be_flat():
+    # The reference slices dim 0, which is a flat slot only for a 1-D buffer; the kernel insists.
+    with pytest.raises(ValueError, match="gathered"):
+        ops.cast_into_slot(_t(2), _t(2, 4), 0, backend="cpp")
+
+
+def opcheck_samples(device="cpu"):
+    """(op, args) per op; a fp32 input requires grad so the autograd registration test runs."""
+    grad = dict(device=device, requires_grad=True)
+    srcs = [torch.randn(3, 4, **grad), torch.randn(5, device=device).bfloat16()]
+    outs = [torch.zeros(3, 4, device=device), torch.zeros(5, dtype=torch.float16, device=device)]
+    f = torch.ops.fsdp_ext
+    return [
+        (f.pack.default, (srcs, [2, 20], torch.zeros(20, device=device), 1, 0.5)),
+        (f.unpack.default, (torch.randn(30, **grad), 3, [0, 14], outs)),
+        (f.cast_into_slot.default, (torch.randn(2, 3, **grad), torch.zeros(24, device=device).half(), 2)),
+        (f.grad_epilogue.default, (torch.randn(6, **grad), torch.randn(2, 3, device=device), 0.25, True)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["pack", "unpack", "cast_into_slot", "grad_epilogue"])
+def test_opcheck(index):
+    op, args = opcheck_samples()[index]
+    torch.library.opcheck(op, args)
