@@ -40,8 +40,10 @@ def extension():
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # -ffp-contract=off: no fused multiply-add, so results are bit-identical to the reference.
+    # -fno-trapping-math (as torch builds): lets the cast loops evaluate both sides of a select,
+    # so they vectorize; it changes no value.
     # -fopenmp: at::parallel_for is OpenMP in torch's headers; without it the loops run serially.
-    cxx = opt + ["-ffp-contract=off", "-fopenmp"]
+    cxx = opt + ["-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
     srcs = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
     kwargs = dict(
         include_dirs=[os.path.join(ROOT, "csrc")],

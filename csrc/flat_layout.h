@@ -14,9 +14,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define FSDP_EXT_HOST_DEVICE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// Forced, so the per-element conversions inline into every (vectorized) loop that uses them.
+#define FSDP_EXT_HOST_DEVICE inline __attribute__((always_inline))
 #else
 #define FSDP_EXT_HOST_DEVICE inline
 #endif
@@ -25,6 +29,8 @@ namespace fsdp_ext {
 
 // Dtype codes used in run tables (host vectors and the int64 tensor sent to the GPU).
 enum DtypeCode : int64_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kZeroFill = 3 };
+
+FSDP_EXT_HOST_DEVICE int64_t element_size(int64_t code) { return code == kFloat32 ? 4 : 2; }
 
 // A half-open range [begin, end) of the flat index space.
 struct FlatSpan {
@@ -129,7 +135,7 @@ FSDP_EXT_HOST_DEVICE float fp16_bits_to_float(uint16_t bits) {
                                             : (((exponent + 112u) << 23) | (mantissa << 13));
   // mantissa * 2^-24 is exact in fp32 and never subnormal there, so flush-to-zero modes cannot
   // change it (and mantissa == 0 gives +0, the sign is or-ed in below).
-  const float subnormal = static_cast<float>(mantissa) * 0x1p-24f;
+  const float subnormal = static_cast<float>(static_cast<int32_t>(mantissa)) * 0x1p-24f;
   return bits_to_float(sign | (exponent == 0 ? float_to_bits(subnormal) : normal));
 }
 
@@ -171,9 +177,14 @@ struct Float16 {
 };
 
 // cast(src * scale): through fp32, scaled only when `scaled` (scale != 1), rounded once to Dst.
+// An unscaled same-dtype element is copied as is (what the CPU's memcpy path does), so even a
+// signalling NaN keeps its bits on every backend.
 template <class Src, class Dst>
 FSDP_EXT_HOST_DEVICE typename Dst::storage convert_element(typename Src::storage value, float scale,
                                                            bool scaled) {
+  if constexpr (std::is_same_v<Src, Dst>) {
+    if (!scaled) return value;
+  }
   const float x = Src::to_float(value);
   return Dst::from_float(scaled ? mul_rn(x, scale) : x);
 }
@@ -189,7 +200,11 @@ FSDP_EXT_HOST_DEVICE typename Dst::storage epilogue_element(typename Src::storag
   return Dst::from_float(x);
 }
 
-// Calls fn(ElementType{}) for a dtype code (kFloat32, kBFloat16 or kFloat16).
+// Calls fn(ElementType{}) for a dtype code (kFloat32, kBFloat16 or kFloat16). Host code in a .cu
+// passes host lambdas through this __host__ __device__ template, hence the exec-check pragma.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
 template <class Fn>
 FSDP_EXT_HOST_DEVICE void with_element_type(int64_t code, Fn&& fn) {
   if (code == kFloat32) {
