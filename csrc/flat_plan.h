@@ -22,8 +22,6 @@ inline int64_t dtype_code(at::ScalarType t) {
   return t == at::kFloat ? kFloat32 : (t == at::kBFloat16 ? kBFloat16 : kFloat16);
 }
 
-inline int64_t element_size(int64_t code) { return code == kFloat32 ? 4 : 2; }
-
 struct FlatRun {
   int64_t window_begin;  // first element of the run, counted from the start of the window
   int64_t length;        // elements, > 0
