@@ -11,6 +11,7 @@ from torch import nn
 from . import comm
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
+from .state_dict import install_state_dict_hooks
 from .unit import UNIT_ATTR, Unit, unit_of
 
 
@@ -167,6 +168,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
     unit = Unit(module, groups, mp_policy, reshard_after_forward, options, offload_policy,
                 param_init_fn)
     module.__dict__[UNIT_ATTR] = unit
+    install_state_dict_hooks(module)
     cls = module.__class__
     if not isinstance(module, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import state_dict as _sd
 from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
 from .clip import clip_grad_norm_
 from .mixed_precision import MixedPrecision
@@ -123,6 +124,41 @@ class FullyShardedDataParallel(nn.Module):
         target = module._fsdp_wrapped_module if isinstance(module, FullyShardedDataParallel) else module
         return summon_full_params(target, writeback=writeback)
 
+    # ---- state dicts (torch's StateDictType and configs are accepted as they are) ----------------
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Inside the block, `module.state_dict()` (and optim_state_dict) return this type."""
+        with _sd.state_dict_settings(
+                _unwrap(module), _sd.settings_for(state_dict_type, state_dict_config),
+                _sd.settings_for(state_dict_type, optim_state_dict_config)):
+            yield
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
+                            optim_state_dict_config=None) -> None:
+        _sd.set_state_dict_settings(
+            _unwrap(module), _sd.settings_for(state_dict_type, state_dict_config),
+            _sd.settings_for(state_dict_type, optim_state_dict_config))
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, **unused) -> dict:
+        """Name-keyed optimizer state, full or sharded as set by state_dict_type (default sharded)."""
+        from .optim_state_dict import optim_state_dict
+        from .schedule import units_of
+        units = units_of(_unwrap(model))
+        settings = _sd.optim_settings_of(units[0]) if units else _sd.StateDictSettings()
+        return optim_state_dict(_unwrap(model), optim, full=settings.full,
+                                rank0_only=settings.rank0_only, cpu_offload=settings.cpu_offload)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                                 optim_state_dict: dict, **unused) -> dict:
+        """The name-keyed dict as this rank's `optim.load_state_dict` input (full or sharded)."""
+        from .optim_state_dict import to_local_optim_state_dict
+        return to_local_optim_state_dict(_unwrap(model), optim, optim_state_dict)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (unsharded) and skip communication inside the block."""
@@ -132,3 +168,7 @@ class FullyShardedDataParallel(nn.Module):
             yield
         finally:
             root.set_requires_gradient_sync(True)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module._fsdp_wrapped_module if isinstance(module, FullyShardedDataParallel) else module

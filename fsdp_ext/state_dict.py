@@ -1,5 +1,20 @@
-"""State dicts with exactly the unwrapped model's keys and shapes, gathered from the shards."""
+"""What `model.state_dict()` returns for a sharded model, with exactly the unwrapped model's keys.
+
+Two kinds, picked per unit (see `state_dict_type`):
+  * sharded (the default, as FSDP2 returns DTensors): each sharded parameter is a `ShardedTensor`
+    over the parameter flattened to 1-D, whose local shard is this rank's shard view (no copy, no
+    collective); `torch.distributed.checkpoint` saves it and reshards it to any world size;
+  * full: each parameter gathered to its own shape, bucket by bucket (every rank must call),
+    optionally only on rank 0 and/or moved to the CPU.
+
+A post-hook on every unit's module rewrites the entries of that unit's parameters after nn.Module
+built the dict (where they are the 1-D local views). nn.Module runs a module's hook after those of
+its whole subtree, in the same order on every rank, so the gathers of the full kind line up.
+"""
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -7,21 +22,135 @@ from torch import nn
 
 from . import comm, ops
 from .schedule import units_of
+from .sharded_tensor import flat_sharded_tensor
+
+SETTINGS_ATTR = "_fsdp_ext_state_dict_settings"
+OPTIM_SETTINGS_ATTR = "_fsdp_ext_optim_state_dict_settings"
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper hides it from keys
+
+
+@dataclass(frozen=True)
+class StateDictSettings:
+    full: bool = False          # False: sharded (ShardedTensor) entries
+    rank0_only: bool = False    # full only: other ranks return no entries
+    cpu_offload: bool = False   # full only: move every entry to the CPU
+
+
+def settings_of(unit) -> StateDictSettings:
+    return getattr(unit, SETTINGS_ATTR, None) or StateDictSettings()
+
+
+def optim_settings_of(unit) -> StateDictSettings:
+    """What FullyShardedDataParallel.optim_state_dict returns (set by state_dict_type)."""
+    return getattr(unit, OPTIM_SETTINGS_ATTR, None) or StateDictSettings()
+
+
+def set_state_dict_settings(model: nn.Module, settings: StateDictSettings,
+                            optim: StateDictSettings | None = None) -> None:
+    for unit in units_of(model):
+        setattr(unit, SETTINGS_ATTR, settings)
+        if optim is not None:
+            setattr(unit, OPTIM_SETTINGS_ATTR, optim)
+
+
+@contextlib.contextmanager
+def state_dict_settings(model: nn.Module, settings: StateDictSettings,
+                        optim: StateDictSettings | None = None):
+    """Use `settings` for every unit under `model` inside the block, then restore the old ones."""
+    units = units_of(model)
+    old = [(settings_of(u), optim_settings_of(u)) for u in units]
+    set_state_dict_settings(model, settings, optim)
+    try:
+        yield
+    finally:
+        for unit, (previous, previous_optim) in zip(units, old):
+            setattr(unit, SETTINGS_ATTR, previous)
+            setattr(unit, OPTIM_SETTINGS_ATTR, previous_optim)
+
+
+# ---- keys -------------------------------------------------------------------------------------------
+def slot_keys(unit) -> dict[int, list[str]]:
+    """id(slot) -> every state-dict key (relative to the unit's module) that names its parameter.
+
+    Tied weights have one key per (module, attribute) that holds them, as nn.Module gives; computed
+    at call time because wrappers applied after sharding may change the module tree.
+    """
+    names: dict[int, list[str]] = {}
+    for name, module in unit.module.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name.replace(_WRAPPER_PREFIX, ""))
+    keys: dict[int, list[str]] = {}
+    for bucket in unit.buckets:
+        for slot in bucket.slots:
+            keys[id(slot)] = [f"{n}.{attr}" if n else attr
+                              for module, attr in slot.locations for n in names.get(id(module), [])]
+    return keys
+
+
+# ---- the post-hook ----------------------------------------------------------------------------------
+def install_state_dict_hooks(module: nn.Module) -> None:
+    """Called by fully_shard: make module.state_dict() / load_state_dict() understand shards."""
+    from .load_state_dict import load_pre_hook
+    module.register_state_dict_post_hook(_post_hook)
+    module.register_load_state_dict_pre_hook(load_pre_hook)
+
+
+def _post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    from .unit import unit_of
+    unit = unit_of(module)
+    settings = settings_of(unit)
+    if settings.full:
+        _fill_full(unit, state_dict, prefix, settings)
+    else:
+        _fill_sharded(unit, state_dict, prefix)
+
+
+def _fill_sharded(unit, state_dict: dict, prefix: str) -> None:
+    keys = slot_keys(unit)
+    distributed = dist.is_available() and dist.is_initialized()
+    for bucket in unit.buckets:
+        for slot in bucket.slots:
+            local = slot.param.detach()
+            # Without a process group there is nothing to shard over: hand out the plain tensor.
+            value = (flat_sharded_tensor(bucket, slot, local, unit.groups.shard) if distributed
+                     else local.view(slot.shape))
+            for key in keys[id(slot)]:
+                if prefix + key in state_dict:
+                    state_dict[prefix + key] = value
+
+
+def _fill_full(unit, state_dict: dict, prefix: str, settings: StateDictSettings) -> None:
+    keys = slot_keys(unit)
+    keep = not settings.rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    with torch.no_grad():
+        for bucket in unit.buckets:
+            tensors = gather_bucket_params(unit, bucket)  # every rank takes part
+            for slot, tensor in zip(bucket.slots, tensors):
+                tensor = tensor.cpu() if settings.cpu_offload and keep else tensor
+                for key in keys[id(slot)]:
+                    if prefix + key in state_dict:
+                        state_dict[prefix + key] = tensor
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if not keep:  # rank0_only: the others return nothing of this unit's subtree
+            del state_dict[key]
+        elif settings.cpu_offload and isinstance(state_dict[key], torch.Tensor):
+            state_dict[key] = state_dict[key].cpu()
 
 
 def gather_bucket_params(unit, bucket) -> list[torch.Tensor]:
     """All-gather one bucket (original dtype) and unpack it into full-shape parameter tensors."""
-    full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=bucket.shard.device)
+    device = unit.groups.device  # the collective's device (the shard may be offloaded to the CPU)
+    shard = bucket.shard.to(device)
+    full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=device)
     if unit.groups.shard is None:
-        full.copy_(bucket.shard)
+        full.copy_(shard)
     else:
-        comm.all_gather_into(full, bucket.shard, unit.groups.shard, async_op=False)
+        comm.all_gather_into(full, shard, unit.groups.shard, async_op=False)
     outs = [torch.empty(slot.shape, dtype=bucket.dtype, device=full.device) for slot in bucket.slots]
     ops.unpack(full, 0, [slot.offset for slot in bucket.slots], outs)
     return outs
 
 
-@torch.no_grad()
+# ---- public functions -------------------------------------------------------------------------------
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
                     cpu_offload: bool = False) -> dict[str, torch.Tensor]:
     """The unwrapped model's `state_dict()`, parameters gathered one bucket at a time.
@@ -29,17 +158,34 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
     Every rank must call it (it all-gathers). With `rank0_only`, other ranks get an empty dict;
     with `cpu_offload`, tensors are moved to the CPU as soon as they are gathered.
     """
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    full_by_param: dict[int, torch.Tensor] = {}
-    for unit in units_of(model):
-        for bucket in unit.buckets:
-            for slot, tensor in zip(bucket.slots, gather_bucket_params(unit, bucket)):
-                if keep:
-                    full_by_param[id(slot.param)] = tensor.cpu() if cpu_offload else tensor
-    if not keep:
+    settings = StateDictSettings(full=True, rank0_only=rank0_only, cpu_offload=cpu_offload)
+    with state_dict_settings(model, settings):
+        result = model.state_dict()
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
-    result = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        value = full_by_param.get(id(value), value)
-        result[key] = (value.cpu() if cpu_offload else value).detach()
     return result
+
+
+def sharded_state_dict(model: nn.Module) -> dict:
+    """`model.state_dict()` in the sharded form (ShardedTensor entries), whatever the setting."""
+    with state_dict_settings(model, StateDictSettings()):
+        return model.state_dict()
+
+
+def settings_for(state_dict_type, state_dict_config=None) -> StateDictSettings:
+    """Translate torch.distributed.fsdp's StateDictType + config into our settings.
+
+    Accepts torch's own enum and config classes (compared by name), so FSDP1 scripts run as they are.
+    """
+    kind = getattr(state_dict_type, "name", state_dict_type)
+    if kind == "FULL_STATE_DICT":
+        return StateDictSettings(full=True,
+                                 rank0_only=bool(getattr(state_dict_config, "rank0_only", False)),
+                                 cpu_offload=bool(getattr(state_dict_config, "offload_to_cpu", False)))
+    if kind == "SHARDED_STATE_DICT":
+        if getattr(state_dict_config, "offload_to_cpu", False):
+            raise NotImplementedError("SHARDED_STATE_DICT with offload_to_cpu is not supported")
+        return StateDictSettings()
+    if kind == "LOCAL_STATE_DICT":
+        raise NotImplementedError("LOCAL_STATE_DICT is not supported; use SHARDED_STATE_DICT")
+    raise ValueError(f"unknown state_dict_type {state_dict_type!r}")
