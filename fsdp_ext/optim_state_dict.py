@@ -1,0 +1,247 @@
+"""Optimizer state dicts keyed by parameter names, full or sharded.
+
+A `torch.optim` optimizer over a sharded model steps on the parameters' 1-D shard views, so its state
+tensors shaped like a parameter's local part (exp_avg, momentum_buffer, ...) are sharded exactly like
+the parameter; anything else (the scalar `step`, python numbers) is the same on every rank.
+
+    {"state": {name: {key: value}}, "param_groups": [{..hyperparameters.., "params": [names]}]}
+
+  * full: sharded state tensors gathered to the parameter's shape (bucket by bucket, one all-gather
+    per state key), equal to what the unwrapped model's optimizer holds, re-keyed by name;
+  * sharded: each sharded state tensor as a ShardedTensor over the flattened parameter, laid out
+    like the model's sharded state dict, so torch.distributed.checkpoint reshards it.
+
+Names are those of `model.named_parameters()` (a tied weight is named once, by its first name).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from . import comm, ops
+from .schedule import units_of
+from .sharded_tensor import flat_sharded_tensor, local_param_range, local_part_of
+
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    unit: object
+    bucket: object
+    slot: object
+
+
+def param_infos(model: nn.Module) -> dict[int, ParamInfo]:
+    """id(parameter) -> its name and where it lives in the bucket layout."""
+    where = {}
+    for unit in units_of(model):
+        for bucket in unit.buckets:
+            for slot in bucket.slots:
+                where[id(slot.param)] = (unit, bucket, slot)
+    infos = {}
+    for name, param in model.named_parameters():
+        if id(param) not in where:
+            raise ValueError(f"parameter '{name}' is not sharded by fsdp_ext (call fully_shard "
+                             "on the root module)")
+        infos[id(param)] = ParamInfo(name.replace(_WRAPPER_PREFIX, ""), *where[id(param)])
+    return infos
+
+
+def _is_sharded(value, param: torch.Tensor) -> bool:
+    """Local rule: a state tensor of the parameter's local (1-D) shape is sharded like it."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape
+
+
+def _agreed_sharded_keys(optimizer, infos) -> dict[str, set[str]]:
+    """name -> state keys that every rank considers sharded (one small all_gather_object).
+
+    A rank whose part of a parameter has one element cannot tell a [1]-shaped non-sharded state
+    from a sharded one on its own; the others can. Also checks that every rank has the same keys,
+    so the gathers below line up.
+    """
+    local = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            local[infos[id(p)].name] = {k: _is_sharded(v, p) for k, v in state.items()}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {n: {k for k, s in keys.items() if s} for n, keys in local.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    agreed = {}
+    for name, keys in local.items():
+        for rank, other in enumerate(everyone):
+            if set(other.get(name, {})) != set(keys):
+                raise RuntimeError(f"optimizer state of '{name}' has keys {sorted(keys)} on rank "
+                                   f"{dist.get_rank()} but {sorted(other.get(name, {}))} on rank "
+                                   f"{rank}; step the optimizer on every rank")
+        agreed[name] = {k for k in keys if all(other[name][k] for other in everyone)}
+    return agreed
+
+
+def _param_groups_by_name(optimizer, infos) -> list[dict]:
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [infos[id(p)].name for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False, *,
+                     rank0_only: bool = False, cpu_offload: bool = False) -> dict:
+    """The optimizer's state keyed by parameter names (see the module docstring).
+
+    Every rank must call it. `rank0_only` / `cpu_offload` apply to the full form: other ranks get
+    an empty dict; gathered tensors move to the CPU.
+    """
+    infos = param_infos(model)
+    sharded_keys = _agreed_sharded_keys(optimizer, infos)
+    state: dict[str, dict] = {}
+    if full:
+        _gather_full_states(optimizer, infos, sharded_keys, state, cpu_offload)
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+    else:
+        distributed = dist.is_available() and dist.is_initialized()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                info = infos[id(p)]
+                entry = {}
+                for key, value in optimizer.state.get(p, {}).items():
+                    if key in sharded_keys[info.name]:
+                        value = (flat_sharded_tensor(info.bucket, info.slot, value.contiguous(),
+                                                     info.unit.groups.shard) if distributed
+                                 else value.view(info.slot.shape))
+                    entry[key] = value
+                if entry:
+                    state[info.name] = entry
+    return {"state": state, "param_groups": _param_groups_by_name(optimizer, infos)}
+
+
+def _gather_full_states(optimizer, infos, sharded_keys, state, cpu_offload) -> None:
+    """Fill `state` with every parameter's state, sharded tensors gathered to full shape."""
+    params = [(p, infos[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+    gathered: dict[tuple[str, str], torch.Tensor] = {}
+    units = []
+    for _, info in params:
+        if info.unit not in units:
+            units.append(info.unit)
+    # One all-gather per (unit, bucket, state key), in the same order on every rank.
+    for unit in units:
+        for bucket in unit.buckets:
+            members = [(p, info) for p, info in params if info.bucket is bucket]
+            for key in sorted({k for _, info in members for k in sharded_keys[info.name]}):
+                having = [(p, info) for p, info in members if key in sharded_keys[info.name]]
+                fulls = _gather_state(unit, bucket, [info.slot for _, info in having],
+                                      [optimizer.state[p][key] for p, _ in having])
+                for (_, info), tensor in zip(having, fulls):
+                    gathered[info.name, key] = tensor
+    for p, info in params:
+        if not optimizer.state.get(p):
+            continue
+        entry = {}
+        for key, value in optimizer.state[p].items():  # the optimizer's own key order
+            value = gathered.get((info.name, key), value)
+            entry[key] = value.cpu() if cpu_offload and isinstance(value, torch.Tensor) else value
+        state[info.name] = entry
+
+
+def _gather_state(unit, bucket, slots, tensors) -> list[torch.Tensor]:
+    """All-gather state tensors laid out like `slots` in `bucket`; return them in full shape."""
+    device, dtype = unit.groups.device, tensors[0].dtype
+    local = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
+    if dtype in ops.checks.FLOAT_DTYPES:  # one pass over the window, gaps zeroed
+        srcs = [t.to(device=device, dtype=dtype).contiguous() for t in tensors]
+        offsets = [slot.offset + local_param_range(bucket, slot)[0] for slot in slots]
+        ops.pack(srcs, offsets, local, bucket.shard_start)
+    else:
+        local.zero_()
+        for slot, tensor in zip(slots, tensors):
+            lo, hi = bucket.local_range(slot)
+            local[lo:hi].copy_(tensor.reshape(-1))
+    full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
+    if unit.groups.shard is None:
+        full.copy_(local)
+    else:
+        comm.all_gather_into(full, local, unit.groups.shard, async_op=False)
+    outs = [torch.empty(slot.shape, dtype=dtype, device=device) for slot in slots]
+    if dtype in ops.checks.FLOAT_DTYPES:
+        ops.unpack(full, 0, [slot.offset for slot in slots], outs)
+    else:
+        for slot, out in zip(slots, outs):
+            out.view(-1).copy_(full[slot.offset:slot.offset + slot.numel])
+    return outs
+
+
+# ---- loading --------------------------------------------------------------------------------------
+def load_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict) -> None:
+    """Load a name-keyed optimizer state dict (full or sharded form, from any world size when full;
+    sharded entries must hold this rank's ranges, as after a DCP load into a template).
+
+    Works on an optimizer that has not stepped yet. Hyperparameters (lr, betas, ...) come from the
+    saved param_groups, matched to the optimizer's groups by parameter names. Every rank calls it
+    with the whole dict (no collective).
+    """
+    optimizer.load_state_dict(to_local_optim_state_dict(model, optimizer, osd))
+
+
+def to_local_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              osd: dict) -> dict:
+    """`osd` (name-keyed) as torch.optim's own index-keyed state dict of this rank's shards."""
+    infos = param_infos(model)
+    by_name = {info.name: (p, info) for p, info in
+               ((p, infos[id(p)]) for g in optimizer.param_groups for p in g["params"])}
+    unknown = sorted(set(osd.get("state", {})) - set(by_name))
+    if unknown:
+        raise KeyError(f"optimizer state for parameters this optimizer does not hold: {unknown}")
+    index = {name: i for i, name in enumerate(by_name)}
+    state = {}
+    for name, entry in osd.get("state", {}).items():
+        p, info = by_name[name]
+        state[index[name]] = {k: _local_value(k, v, info, p) for k, v in entry.items()}
+    groups = _match_groups(optimizer, infos, osd["param_groups"], index)
+    return {"state": state, "param_groups": groups}
+
+
+def _local_value(key: str, value, info: ParamInfo, param: torch.Tensor):
+    """This rank's part of a saved state value (a private copy: the optimizer owns it)."""
+    start, end = local_param_range(info.bucket, info.slot)
+    where = f"optimizer state '{key}' of '{info.name}'"
+    if isinstance(value, ShardedTensor):
+        size = list(value.metadata().size)
+        if size != [info.slot.numel]:
+            raise ValueError(f"size mismatch for {where}: saved {size}, parameter has "
+                             f"{info.slot.numel} elements")
+        return local_part_of(value, start, end, where).clone()
+    # A full-form tensor of the parameter's shape is sharded; `step` and other scalars are not.
+    if isinstance(value, torch.Tensor) and value.shape == info.slot.shape and key != "step":
+        return value.reshape(-1)[start:end].to(param.device).clone()
+    if (isinstance(value, torch.Tensor) and key != "step" and value.numel() > 1
+            and value.numel() == info.slot.numel):  # the parameter's data, in another shape
+        raise ValueError(f"size mismatch for {where}: saved {list(value.shape)}, parameter has "
+                         f"shape {list(info.slot.shape)}")
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _match_groups(optimizer, infos, saved_groups: list[dict], index: dict[str, int]) -> list[dict]:
+    """The saved groups in the optimizer's group order, with the optimizer's parameter indices."""
+    owner = {}
+    for i, group in enumerate(saved_groups):
+        for name in group["params"]:
+            owner[name] = i
+    groups = []
+    for group in optimizer.param_groups:
+        names = [infos[id(p)].name for p in group["params"]]
+        found = {owner.get(n) for n in names}
+        if len(found) != 1 or None in found:
+            missing = [n for n in names if n not in owner]
+            raise ValueError(f"optimizer param group with {names[:3]}... does not match one saved "
+                             f"group (not saved: {missing})")
+        saved = saved_groups[found.pop()]
+        if sorted(saved["params"]) != sorted(names):
+            raise ValueError(f"saved param group {saved['params']} != optimizer's group {names}")
+        groups.append({**saved, "params": [index[n] for n in names]})
+    return groups
