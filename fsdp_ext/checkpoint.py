@@ -1,0 +1,239 @@
+"""Distributed checkpoints: sharded model + optimizer state with torch.distributed.checkpoint (DCP).
+
+save_checkpoint: every rank writes its own shards (DCP dedupes replicas) into `.tmp-step-N`; the
+ranks hash what was written; rank 0 writes the manifest and publishes the directory with renames
+(see checkpoint_files). A crash at any point before the last rename leaves `latest` and the
+checkpoint it names untouched.
+
+load_checkpoint: rank 0 resolves the checkpoint, checks the manifest and reads DCP's metadata, and
+broadcasts the outcome, so a missing or damaged checkpoint raises on every rank instead of leaving
+the others waiting. Every rank then checks the keys and shapes against the model, builds a state
+dict shaped for its own layout (any world size: entries are flattened parameters, resharded by
+1-D ranges) and lets DCP read into it; the model's entries are its shard views, so the parameters
+are filled in place.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import checkpoint_files as files
+from .agree import all_ok, on_rank0
+from .checkpoint_files import CheckpointError
+from .optim_state_dict import load_optim_state_dict, optim_state_dict, param_infos
+from .sharded_tensor import flat_sharded_tensor, local_param_range
+from .state_dict import sharded_state_dict
+
+
+@contextlib.contextmanager
+def quiet_sharded_tensor():
+    """DCP touches ShardedTensor attributes, each of which warns that ShardedTensor is deprecated
+    in favour of DTensor; DTensor cannot describe our layout (see docs), so silence that one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*",
+                                category=FutureWarning)
+        yield
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def param_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Every state-dict key of a sharded parameter (tied ones too) -> its unflattened shape."""
+    infos = param_infos(model)
+    return {name.replace("_checkpoint_wrapped_module.", ""): list(infos[id(p)].slot.shape)
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+# ---- save -------------------------------------------------------------------------------------------
+def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    step: int, extra=None) -> str:
+    """Save model and optimizer state as `directory/step-{step}` and point `latest` at it.
+
+    Every rank must call it. `extra` (anything `torch.load(weights_only=True)` can read back:
+    tensors, numbers, strings, containers) is stored as is and returned by load_checkpoint.
+    Returns the published path.
+    """
+    directory = os.fspath(directory)
+    rank, world = _rank_world()
+    on_rank0(lambda: files.prepare_tmp(directory, step))
+    tmp = files.tmp_dir(directory, step)
+    state = {"model": sharded_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = optim_state_dict(model, optimizer, full=False)
+    try:
+        with quiet_sharded_tensor():
+            # DCP gathers every rank's write result, so a failure anywhere raises everywhere.
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    except (Exception, CheckpointException) as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving '{tmp}' failed; '{directory}' still holds the previous "
+                              f"checkpoint: {exc}") from exc
+    described, error = {}, None
+    try:
+        names = sorted(os.listdir(tmp))
+        described = files.describe_files(tmp, names[rank::world])
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by all_ok
+        error = exc
+    all_ok(error)
+    every = [described]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, described)
+
+    def publish():
+        torch.save(extra, os.path.join(tmp, files.EXTRA))
+        listing = {k: v for d in every for k, v in d.items()}
+        listing.update(files.describe_files(tmp, [files.EXTRA]))
+        manifest = {"format": files.FORMAT, "step": step, "world_size": world,
+                    "has_optimizer": optimizer is not None, "param_shapes": param_shapes(model),
+                    "files": listing}
+        try:
+            return files.publish(directory, step, manifest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # (gone already if the rename happened)
+            raise
+
+    return on_rank0(publish)
+
+
+# ---- load -------------------------------------------------------------------------------------------
+def _inspect(directory: str, step: int | None) -> dict:
+    """Rank 0: find the checkpoint, check its files, read DCP's metadata and `extra`."""
+    path = files.resolve(directory, step)
+    manifest = files.read_manifest(path)
+    files.verify_checksums(path, manifest, 0, 1, only=(".metadata", files.EXTRA))  # before unpickling
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"cannot read '{os.path.join(path, '.metadata')}': {exc}") from exc
+    try:
+        extra = torch.load(os.path.join(path, files.EXTRA), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read '{os.path.join(path, files.EXTRA)}': {exc}") from exc
+    return {"path": path, "manifest": manifest, "metadata": metadata, "extra": extra}
+
+
+def _saved_entries(metadata, top: str) -> dict[tuple, object]:
+    """Object path (below `top`) -> storage metadata, for everything saved under `top`."""
+    out = {}
+    for flat_key, path in metadata.planner_data.items():
+        if path and path[0] == top:
+            out[tuple(path[1:])] = metadata.state_dict_metadata[flat_key]
+    return out
+
+
+def _check_model(model_sd: dict, saved: dict, manifest: dict, model: nn.Module) -> None:
+    """Raise one error listing missing / unexpected keys and shape mismatches."""
+    saved_keys = {path[0] for path in saved}
+    missing = sorted(set(model_sd) - saved_keys)
+    unexpected = sorted(saved_keys - set(model_sd))
+    problems = []
+    if missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {unexpected}")
+    saved_shapes = manifest["param_shapes"]
+    for key, shape in param_shapes(model).items():
+        if key in saved_shapes and saved_shapes[key] != shape:
+            problems.append(f"size mismatch for {key}: the checkpoint has shape "
+                            f"{saved_shapes[key]}, the model has {shape}")
+    for key, value in model_sd.items():
+        md = saved.get((key,))
+        if key not in saved_shapes and isinstance(value, torch.Tensor) and isinstance(
+                md, TensorStorageMetadata) and list(md.size) != list(value.shape):
+            problems.append(f"size mismatch for {key}: the checkpoint has shape "
+                            f"{list(md.size)}, the model has {list(value.shape)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
+
+
+def _set_path(root: dict, path: tuple, value) -> None:
+    """root[path[0]][path[1]]... = value, creating dicts (str keys) and lists (int keys)."""
+    node = root
+    for key, nxt in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+        child = node[key] if isinstance(node, list) else node.get(key)
+        if child is None:
+            child = [] if isinstance(nxt, int) else {}
+            node[key] = child
+        node = child
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def _optim_template(model: nn.Module, saved: dict) -> dict:
+    """A name-keyed sharded optimizer state dict for this rank's layout, to read into.
+
+    Built from the checkpoint's metadata, so it works for an optimizer that has not stepped yet:
+    a state tensor saved with the flattened parameter's size becomes a ShardedTensor over this
+    rank's range; anything else (step, hyperparameters) a placeholder DCP replaces.
+    """
+    infos = {info.name: info for info in param_infos(model).values()}
+    template: dict = {}
+    unknown = sorted({p[1] for p in saved if p[0] == "state" and p[1] not in infos})
+    if unknown:
+        raise CheckpointError(f"the checkpoint has optimizer state for parameters the model does "
+                              f"not have: {unknown}")
+    distributed = dist.is_available() and dist.is_initialized()
+    for path, md in saved.items():
+        value = None
+        if isinstance(md, TensorStorageMetadata):
+            dtype = md.properties.dtype
+            info = infos.get(path[1]) if path[0] == "state" and len(path) == 3 else None
+            if info is not None and path[2] != "step" and list(md.size) == [info.slot.numel]:
+                start, end = local_param_range(info.bucket, info.slot)
+                local = torch.empty(end - start, dtype=dtype, device=info.bucket.shard.device)
+                value = (flat_sharded_tensor(info.bucket, info.slot, local, info.unit.groups.shard)
+                         if distributed else local.view(info.slot.shape))
+            else:
+                value = torch.empty(md.size, dtype=dtype)
+        _set_path(template, path, value)
+    return template
+
+
+def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    step: int | None = None):
+    """Load `latest` (or `step`) from `directory` into a model/optimizer sharded over any world
+    size. Every rank must call it. Returns (step, extra)."""
+    directory = os.fspath(directory)
+    rank, world = _rank_world()
+    found = on_rank0(lambda: _inspect(directory, step))
+    path, manifest, metadata = found["path"], found["manifest"], found["metadata"]
+    error = None
+    try:
+        files.verify_checksums(path, manifest, rank, world)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by all_ok
+        error = exc
+    all_ok(error)
+    model_sd = sharded_state_dict(model)
+    _check_model(model_sd, _saved_entries(metadata, "model"), manifest, model)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        if not manifest["has_optimizer"]:
+            raise CheckpointError(f"'{path}' holds no optimizer state")
+        state["optim"] = _optim_template(model, _saved_entries(metadata, "optim"))
+    with quiet_sharded_tensor():
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        except CheckpointException as exc:  # a BaseException: make it an ordinary error
+            raise CheckpointError(f"reading '{path}' failed: {exc}") from exc
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            load_optim_state_dict(model, optimizer, state["optim"])
+    return manifest["step"], found["extra"]
