@@ -10,7 +10,7 @@ NPROC   ?= 2
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH)" ninja pybind11 pytest numpy setuptools wheel hypothesis tqdm transformers matplotlib
+	$(VPY) -m pip install -q "$(TORCH)" ninja pybind11 pytest numpy setuptools wheel hypothesis safetensors tqdm transformers matplotlib
 	touch $@
 
 venv: $(VENV)/.installed
