@@ -1,4 +1,6 @@
 """fsdp_ext: a fully-sharded data-parallel runtime for PyTorch."""
+# torch's own state-dict type and configs, accepted as they are by state_dict_type()
+from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from . import ops  # noqa: F401
 from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
 from .clip import NonFiniteGradientError, clip_grad_norm_
@@ -7,7 +9,6 @@ from .describe import describe
 from .fsdp1 import FullyShardedDataParallel
 from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
-from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .load_state_dict import load_full_state_dict
 from .optim_state_dict import load_optim_state_dict, optim_state_dict
