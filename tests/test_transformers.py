@@ -76,8 +76,10 @@ def batch(step: int, n: int):
 def check_training(rank: int, world: int, name: str, api: str, bf16: bool = False) -> None:
     reference, layer_cls = build(name)
     if "+ckpt" in name:  # the library's own activation checkpointing of each layer
-        reentrant = name.endswith("reentrant")
-        reference.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        # (renamed from gradient_checkpointing_enable in transformers 5; either takes the kwargs)
+        enable = getattr(reference, "activation_checkpointing_enable", None) or \
+            reference.gradient_checkpointing_enable
+        enable({"use_reentrant": name.endswith("reentrant")})
     model = wrap(copy.deepcopy(reference), layer_cls, api, bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
