@@ -11,7 +11,8 @@ from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .load_state_dict import load_full_state_dict
-from .optim_state_dict import load_optim_state_dict, optim_state_dict
+from .load_optim_state_dict import load_optim_state_dict
+from .optim_state_dict import optim_state_dict
 from .safetensors_io import export_safetensors
 from .state_dict import full_state_dict, sharded_state_dict
 from .summon import summon_full_params

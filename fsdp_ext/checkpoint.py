@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import checkpoint_files as files
 from .agree import all_ok, on_rank0
 from .checkpoint_files import CheckpointError
-from .optim_state_dict import load_optim_state_dict, optim_state_dict, param_infos
-from .sharded_tensor import flat_sharded_tensor, local_param_range
+from .checkpoint_template import check_model, optim_template, param_shapes, saved_entries
+from .load_optim_state_dict import load_optim_state_dict
+from .optim_state_dict import optim_state_dict
 from .state_dict import sharded_state_dict
 
 
@@ -48,13 +48,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def param_shapes(model: nn.Module) -> dict[str, list[int]]:
-    """Every state-dict key of a sharded parameter (tied ones too) -> its unflattened shape."""
-    infos = param_infos(model)
-    return {name.replace("_checkpoint_wrapped_module.", ""): list(infos[id(p)].slot.shape)
-            for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 # ---- save -------------------------------------------------------------------------------------------
@@ -127,86 +120,6 @@ def _inspect(directory: str, step: int | None) -> dict:
     return {"path": path, "manifest": manifest, "metadata": metadata, "extra": extra}
 
 
-def _saved_entries(metadata, top: str) -> dict[tuple, object]:
-    """Object path (below `top`) -> storage metadata, for everything saved under `top`."""
-    out = {}
-    for flat_key, path in metadata.planner_data.items():
-        if path and path[0] == top:
-            out[tuple(path[1:])] = metadata.state_dict_metadata[flat_key]
-    return out
-
-
-def _check_model(model_sd: dict, saved: dict, manifest: dict, model: nn.Module) -> None:
-    """Raise one error listing missing / unexpected keys and shape mismatches."""
-    saved_keys = {path[0] for path in saved}
-    missing = sorted(set(model_sd) - saved_keys)
-    unexpected = sorted(saved_keys - set(model_sd))
-    problems = []
-    if missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {unexpected}")
-    saved_shapes = manifest["param_shapes"]
-    for key, shape in param_shapes(model).items():
-        if key in saved_shapes and saved_shapes[key] != shape:
-            problems.append(f"size mismatch for {key}: the checkpoint has shape "
-                            f"{saved_shapes[key]}, the model has {shape}")
-    for key, value in model_sd.items():
-        md = saved.get((key,))
-        if key not in saved_shapes and isinstance(value, torch.Tensor) and isinstance(
-                md, TensorStorageMetadata) and list(md.size) != list(value.shape):
-            problems.append(f"size mismatch for {key}: the checkpoint has shape "
-                            f"{list(md.size)}, the model has {list(value.shape)}")
-    if problems:
-        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
-
-
-def _set_path(root: dict, path: tuple, value) -> None:
-    """root[path[0]][path[1]]... = value, creating dicts (str keys) and lists (int keys)."""
-    node = root
-    for key, nxt in zip(path[:-1], path[1:]):
-        if isinstance(node, list):
-            node.extend([None] * (key + 1 - len(node)))
-        child = node[key] if isinstance(node, list) else node.get(key)
-        if child is None:
-            child = [] if isinstance(nxt, int) else {}
-            node[key] = child
-        node = child
-    if isinstance(node, list):
-        node.extend([None] * (path[-1] + 1 - len(node)))
-    node[path[-1]] = value
-
-
-def _optim_template(model: nn.Module, saved: dict) -> dict:
-    """A name-keyed sharded optimizer state dict for this rank's layout, to read into.
-
-    Built from the checkpoint's metadata, so it works for an optimizer that has not stepped yet:
-    a state tensor saved with the flattened parameter's size becomes a ShardedTensor over this
-    rank's range; anything else (step, hyperparameters) a placeholder DCP replaces.
-    """
-    infos = {info.name: info for info in param_infos(model).values()}
-    template: dict = {}
-    unknown = sorted({p[1] for p in saved if p[0] == "state" and p[1] not in infos})
-    if unknown:
-        raise CheckpointError(f"the checkpoint has optimizer state for parameters the model does "
-                              f"not have: {unknown}")
-    distributed = dist.is_available() and dist.is_initialized()
-    for path, md in saved.items():
-        value = None
-        if isinstance(md, TensorStorageMetadata):
-            dtype = md.properties.dtype
-            info = infos.get(path[1]) if path[0] == "state" and len(path) == 3 else None
-            if info is not None and path[2] != "step" and list(md.size) == [info.slot.numel]:
-                start, end = local_param_range(info.bucket, info.slot)
-                local = torch.empty(end - start, dtype=dtype, device=info.bucket.shard.device)
-                value = (flat_sharded_tensor(info.bucket, info.slot, local, info.unit.groups.shard)
-                         if distributed else local.view(info.slot.shape))
-            else:
-                value = torch.empty(md.size, dtype=dtype)
-        _set_path(template, path, value)
-    return template
-
-
 def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     step: int | None = None):
     """Load `latest` (or `step`) from `directory` into a model/optimizer sharded over any world
@@ -222,12 +135,12 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         error = exc
     all_ok(error)
     model_sd = sharded_state_dict(model)
-    _check_model(model_sd, _saved_entries(metadata, "model"), manifest, model)
+    check_model(model_sd, saved_entries(metadata, "model"), manifest, model)
     state = {"model": model_sd}
     if optimizer is not None:
         if not manifest["has_optimizer"]:
             raise CheckpointError(f"'{path}' holds no optimizer state")
-        state["optim"] = _optim_template(model, _saved_entries(metadata, "optim"))
+        state["optim"] = optim_template(model, saved_entries(metadata, "optim"))
     with quiet_sharded_tensor():
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))

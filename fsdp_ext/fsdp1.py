@@ -156,7 +156,7 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
                                  optim_state_dict: dict, **unused) -> dict:
         """The name-keyed dict as this rank's `optim.load_state_dict` input (full or sharded)."""
-        from .optim_state_dict import to_local_optim_state_dict
+        from .load_optim_state_dict import to_local_optim_state_dict
         return to_local_optim_state_dict(_unwrap(model), optim, optim_state_dict)
 
     @contextlib.contextmanager

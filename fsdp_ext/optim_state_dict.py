@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from . import comm, ops
 from .schedule import units_of
-from .sharded_tensor import flat_sharded_tensor, local_param_range, local_part_of
+from .sharded_tensor import flat_sharded_tensor, local_param_range
 
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
@@ -174,74 +173,3 @@ def _gather_state(unit, bucket, slots, tensors) -> list[torch.Tensor]:
         for slot, out in zip(slots, outs):
             out.view(-1).copy_(full[slot.offset:slot.offset + slot.numel])
     return outs
-
-
-# ---- loading --------------------------------------------------------------------------------------
-def load_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict) -> None:
-    """Load a name-keyed optimizer state dict (full or sharded form, from any world size when full;
-    sharded entries must hold this rank's ranges, as after a DCP load into a template).
-
-    Works on an optimizer that has not stepped yet. Hyperparameters (lr, betas, ...) come from the
-    saved param_groups, matched to the optimizer's groups by parameter names. Every rank calls it
-    with the whole dict (no collective).
-    """
-    optimizer.load_state_dict(to_local_optim_state_dict(model, optimizer, osd))
-
-
-def to_local_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                              osd: dict) -> dict:
-    """`osd` (name-keyed) as torch.optim's own index-keyed state dict of this rank's shards."""
-    infos = param_infos(model)
-    by_name = {info.name: (p, info) for p, info in
-               ((p, infos[id(p)]) for g in optimizer.param_groups for p in g["params"])}
-    unknown = sorted(set(osd.get("state", {})) - set(by_name))
-    if unknown:
-        raise KeyError(f"optimizer state for parameters this optimizer does not hold: {unknown}")
-    index = {name: i for i, name in enumerate(by_name)}
-    state = {}
-    for name, entry in osd.get("state", {}).items():
-        p, info = by_name[name]
-        state[index[name]] = {k: _local_value(k, v, info, p) for k, v in entry.items()}
-    groups = _match_groups(optimizer, infos, osd["param_groups"], index)
-    return {"state": state, "param_groups": groups}
-
-
-def _local_value(key: str, value, info: ParamInfo, param: torch.Tensor):
-    """This rank's part of a saved state value (a private copy: the optimizer owns it)."""
-    start, end = local_param_range(info.bucket, info.slot)
-    where = f"optimizer state '{key}' of '{info.name}'"
-    if isinstance(value, ShardedTensor):
-        size = list(value.metadata().size)
-        if size != [info.slot.numel]:
-            raise ValueError(f"size mismatch for {where}: saved {size}, parameter has "
-                             f"{info.slot.numel} elements")
-        return local_part_of(value, start, end, where).clone()
-    # A full-form tensor of the parameter's shape is sharded; `step` and other scalars are not.
-    if isinstance(value, torch.Tensor) and value.shape == info.slot.shape and key != "step":
-        return value.reshape(-1)[start:end].to(param.device).clone()
-    if (isinstance(value, torch.Tensor) and key != "step" and value.numel() > 1
-            and value.numel() == info.slot.numel):  # the parameter's data, in another shape
-        raise ValueError(f"size mismatch for {where}: saved {list(value.shape)}, parameter has "
-                         f"shape {list(info.slot.shape)}")
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _match_groups(optimizer, infos, saved_groups: list[dict], index: dict[str, int]) -> list[dict]:
-    """The saved groups in the optimizer's group order, with the optimizer's parameter indices."""
-    owner = {}
-    for i, group in enumerate(saved_groups):
-        for name in group["params"]:
-            owner[name] = i
-    groups = []
-    for group in optimizer.param_groups:
-        names = [infos[id(p)].name for p in group["params"]]
-        found = {owner.get(n) for n in names}
-        if len(found) != 1 or None in found:
-            missing = [n for n in names if n not in owner]
-            raise ValueError(f"optimizer param group with {names[:3]}... does not match one saved "
-                             f"group (not saved: {missing})")
-        saved = saved_groups[found.pop()]
-        if sorted(saved["params"]) != sorted(names):
-            raise ValueError(f"saved param group {saved['params']} != optimizer's group {names}")
-        groups.append({**saved, "params": [index[n] for n in names]})
-    return groups
