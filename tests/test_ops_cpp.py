@@ -27,6 +27,8 @@ def _name(dtype):
 
 def stress_values(n, dtype, seed, device="cpu"):
     """n values of `dtype` that exercise every rounding path (built in fp32, then cast by torch)."""
+    if n == 0:
+        return torch.empty(0, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 31, (n,), generator=gen).float())
     mantissa = torch.randint(0, 1 << 23, (n,), generator=gen, dtype=torch.int32)
@@ -36,9 +38,12 @@ def stress_values(n, dtype, seed, device="cpu"):
     fp16_subnormal_ties = (torch.randint(0, 1024, (n,), generator=gen) + 0.5) * 2.0 ** -24
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99,
                              65520.0, -65520.0, 2.0 ** -25, 2.0 ** -24, 1e-40, -1e-45, 3.4e38])
-    pool = torch.cat([bf16_ties, fp16_ties, fp16_subnormal_ties, specials])
+    pool = torch.cat([bf16_ties, fp16_ties, fp16_subnormal_ties])
     pick = torch.rand(n, generator=gen) < 0.5
     x[pick] = pool[torch.randint(0, len(pool), (int(pick.sum()),), generator=gen)]
+    # Every special value three times (as far as n allows), at random places.
+    places = torch.randperm(n, generator=gen)[:3 * len(specials)]
+    x[places] = specials.repeat(3)[:len(places)]
     return x.to(dtype).to(device)
 
 
@@ -146,16 +151,18 @@ def test_thousand_tiny_tensors():
     check_unpack(shapes, torch.bfloat16, DTYPES, (77, 12001), seed=7)
 
 
-def test_one_large_tensor():
-    # 1.5M elements: split across threads, with the window clipping both ends.
-    check_pack([(1 << 20,), (1 << 19,)], [torch.float32], torch.bfloat16, 1.0, (1000, (3 << 19) - 5))
-    check_pack([(1 << 20,)], [torch.float32], torch.float32, 1.0, None)  # memcpy path
-    check_unpack([(1 << 20,)], torch.bfloat16, [torch.float32], (3, 1 << 20))
+def test_large_tensors_split_across_threads():
+    # 4 MB of fp32, with the window clipping both ends; then every op above the parallel grain.
+    check_pack([(1 << 20,), (1 << 16,)], [torch.float32], torch.bfloat16, 1.0, (1000, (1 << 20) + 5))
+    check_pack([(1 << 18,)], [torch.float32], torch.float32, 1.0, None)  # memcpy path
+    check_unpack([(1 << 18,)], torch.bfloat16, [torch.float32], (3, 1 << 18))
+    check_cast_into_slot(((1 << 16) + 3,), torch.float32, torch.float16, 2, 1)
+    check_grad_epilogue(((1 << 16) + 1,), torch.bfloat16, torch.float32, 0.37, True)
 
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
 def test_cast_into_slot(src_dtype, dst_dtype):
-    for shape, world in [((3, 7), 4), ((1,), 1), ((0,), 3), (((1 << 16) + 3,), 2)]:
+    for shape, world in [((3, 7), 4), ((1,), 1), ((0,), 3), ((1001,), 2)]:
         for slot in {0, world - 1}:
             check_cast_into_slot(shape, src_dtype, dst_dtype, world, slot)
 
@@ -164,7 +171,7 @@ def test_cast_into_slot(src_dtype, dst_dtype):
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_grad_epilogue(src_dtype, dst_dtype, scale, accumulate):
-    for shape in [(4, 33), (1,), (0,), ((1 << 16) + 1,)]:
+    for shape in [(4, 33), (1,), (0,), (1001,)]:
         check_grad_epilogue(shape, src_dtype, dst_dtype, scale, accumulate)
 
 
