@@ -124,7 +124,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: CPUOffloadPolicy | None = None, param_init_fn=None,
                 forward_prefetch: int = 1, backward_prefetch: int = 1,
-                limit_in_flight: bool = True) -> nn.Module:
+                limit_in_flight: bool = True, collective_timeout: float | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
 
     Apply it bottom-up: to each block first, then to the model (the root). The module keeps its
@@ -143,6 +143,9 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
             after allocation (default: the module's reset_parameters()).
         forward_prefetch / backward_prefetch: how many units ahead to all-gather (read by the root).
         limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
+        collective_timeout: seconds a rank waits on one of this root's collectives before raising
+            CollectiveError naming the unit (read by the root; default: the environment variable
+            FSDP_EXT_COLLECTIVE_TIMEOUT_S, else only the process group's timeout).
     """
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
@@ -164,7 +167,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1
     options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-                   limit_in_flight=limit_in_flight)
+                   limit_in_flight=limit_in_flight, collective_timeout=collective_timeout)
     unit = Unit(module, groups, mp_policy, reshard_after_forward, options, offload_policy,
                 param_init_fn)
     module.__dict__[UNIT_ATTR] = unit

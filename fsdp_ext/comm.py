@@ -9,6 +9,8 @@ the tensors it reads and writes until someone waits on it (no `record_stream`):
 """
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,27 @@ import torch.distributed as dist
 from .debug import CollectiveError
 
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+TIMEOUT_ENV = "FSDP_EXT_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout(seconds: float | datetime.timedelta | None = None) -> datetime.timedelta | None:
+    """How long a wait on one of our collectives may block: the argument, else the environment
+    variable FSDP_EXT_COLLECTIVE_TIMEOUT_S, else None (only the process group's own timeout, 30 min
+    by default, applies). A bound shorter than that turns a peer that stopped issuing collectives
+    (stuck, dead, or in a different branch) into a CollectiveError that names the unit."""
+    if seconds is None:
+        seconds = os.environ.get(TIMEOUT_ENV) or None
+    if seconds is None or isinstance(seconds, datetime.timedelta):
+        return seconds
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def wait_work(work, timeout: datetime.timedelta | None) -> None:
+    """work.wait(), bounded by `timeout` (gloo raises "Operation timed out!" when it expires)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 @dataclass
@@ -85,14 +108,17 @@ class Pending:
     event: torch.cuda.Event | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
+    timeout: datetime.timedelta | None = None         # see collective_timeout()
 
     def wait(self) -> None:
         try:
             for work in self.works:
-                work.wait()
+                wait_work(work, self.timeout)
         except Exception as exc:  # a dead peer or a timeout: say which collective it was
             rank = dist.get_rank() if dist.is_initialized() else 0
-            raise CollectiveError(f"rank {rank}: {self.label or 'a collective'} failed: {exc}") from exc
+            bound = f" (collective_timeout {self.timeout.total_seconds():g} s)" if self.timeout else ""
+            raise CollectiveError(
+                f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
         self.works = []
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
@@ -103,8 +129,9 @@ class Pending:
 class Streams:
     """Side streams for collectives on CUDA; on CPU everything is a no-op."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None):
         self.cuda = device.type == "cuda"
+        self.timeout = timeout
         if self.cuda:
             # High priority: a delayed collective delays every unit behind it.
             self.all_gather = torch.cuda.Stream(device=device, priority=-1)
@@ -121,7 +148,7 @@ class Streams:
                 works = [w for w in fn(True) if w is not None]
             except Exception as exc:
                 raise CollectiveError(f"rank {dist.get_rank()}: {label} failed: {exc}") from exc
-            return Pending(works=works, keep_alive=keep_alive, label=label)
+            return Pending(works=works, keep_alive=keep_alive, label=label, timeout=self.timeout)
         stream = getattr(self, stream_name)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

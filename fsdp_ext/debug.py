@@ -34,8 +34,9 @@ def _hash(text: str) -> int:
 
 
 class CollectiveChecker:
-    def __init__(self, device: torch.device, iterations: int | None = None):
+    def __init__(self, device: torch.device, iterations: int | None = None, timeout=None):
         self.device = device
+        self.timeout = timeout  # datetime.timedelta | None: bound on the fingerprint exchange
         self.iterations = default_check_iterations() if iterations is None else iterations
         self.iteration = 0
         self.sequence = 0
@@ -58,7 +59,19 @@ class CollectiveChecker:
         mine = torch.tensor([_hash(fingerprint)], dtype=torch.int64, device=self.device)
         everyone = torch.empty(world, dtype=torch.int64, device=self.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(everyone, mine, group=group)
+        # This exchange is where a rank waits for a peer that is stuck, dead or in another branch
+        # that issues no collective at all: bound it and name what this rank was about to do.
+        try:
+            work = gather(everyone, mine, group=group, async_op=True)
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except Exception as exc:
+            bound = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
+            raise CollectiveError(
+                f"rank {dist.get_rank()}: peers did not reach {fingerprint}{bound} (a rank is "
+                f"stuck, died, or skipped every remaining collective): {exc}") from exc
         if bool((everyone == mine).all()):
             return
         descriptions: list[str | None] = [None] * world

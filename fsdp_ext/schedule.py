@@ -33,8 +33,9 @@ class Schedule:
         self.root = root
         self.units = units
         self.options = {**DEFAULT_OPTIONS, **root.options}
-        self.streams = comm.Streams(root.groups.device)
-        self.checker = CollectiveChecker(root.groups.device)
+        timeout = comm.collective_timeout(self.options.get("collective_timeout"))
+        self.streams = comm.Streams(root.groups.device, timeout)
+        self.checker = CollectiveChecker(root.groups.device, timeout=timeout)
         self.forward_order: list[Unit] = []
         self._recording: list[Unit] = []
         self.in_forward = False
