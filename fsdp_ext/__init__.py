@@ -9,6 +9,7 @@ from .describe import describe
 from .fsdp1 import FullyShardedDataParallel
 from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
+from .optim_check import check_optimizer
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .load_state_dict import load_full_state_dict
 from .load_optim_state_dict import load_optim_state_dict
@@ -25,6 +26,7 @@ __all__ = [
     "BackwardPrefetch", "CPUOffloadPolicy", "CollectiveError", "CollectiveMismatchError",
     "FSDPModule", "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy",
     "ModuleWrapPolicy", "NonFiniteGradientError", "ShardingStrategy", "clip_grad_norm_",
+    "check_optimizer",
     "full_state_dict", "fully_shard", "size_based_auto_wrap_policy", "summon_full_params",
     "describe",
 ]

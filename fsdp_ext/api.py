@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import comm
+from .input_checks import check_mesh_and_groups
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
 from .state_dict import install_state_dict_hooks
@@ -124,7 +126,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: CPUOffloadPolicy | None = None, param_init_fn=None,
                 forward_prefetch: int = 1, backward_prefetch: int = 1,
-                limit_in_flight: bool = True, collective_timeout: float | None = None) -> nn.Module:
+                limit_in_flight: bool = True, collective_timeout: float | None = None,
+                check_finite_grads: bool | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
 
     Apply it bottom-up: to each block first, then to the model (the root). The module keeps its
@@ -146,6 +149,9 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
         collective_timeout: seconds a rank waits on one of this root's collectives before raising
             CollectiveError naming the unit (read by the root; default: the environment variable
             FSDP_EXT_COLLECTIVE_TIMEOUT_S, else only the process group's timeout).
+        check_finite_grads: raise NonFiniteGradientError naming the unit, parameter and rank as
+            soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
+            all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
     """
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
@@ -162,12 +168,16 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
             for name, buf in sub._buffers.items():
                 if buf is not None:
                     sub._buffers[name] = buf.to(device)
+    check_mesh_and_groups(module, mesh, process_group)
     groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1
+    if check_finite_grads is None:
+        check_finite_grads = os.environ.get("FSDP_EXT_CHECK_FINITE_GRADS", "0") not in ("", "0")
     options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-                   limit_in_flight=limit_in_flight, collective_timeout=collective_timeout)
+                   limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
+                   check_finite_grads=check_finite_grads)
     unit = Unit(module, groups, mp_policy, reshard_after_forward, options, offload_policy,
                 param_init_fn)
     module.__dict__[UNIT_ATTR] = unit

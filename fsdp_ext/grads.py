@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm, ops
+from . import comm, finite, ops
 from .flat_param import Bucket
 from .mixed_precision import divide_factors
 from .offload import to_host
@@ -28,6 +28,7 @@ class BucketGrads:
 
     unsharded_accumulator: torch.Tensor | None = None   # [numel_padded] reduce dtype, no_sync
     used: list[bool] = field(default_factory=list)      # got a gradient since the last sync
+    nonfinite: torch.Tensor | None = None                # check_finite_grads: flags since sync
 
 
 def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
@@ -47,6 +48,8 @@ def reduce_bucket(unit, index: int, grads) -> None:
     reduce_dtype = unit.mp.reduce_dtype or unit.full[index].dtype
     pre, post = divide_factors(groups.data_parallel_size)
     device = unit.full[index].device
+    if unit.options.get("check_finite_grads"):  # off by default: no cost beyond this lookup
+        state.nonfinite = finite.merge_flags(state.nonfinite, grads, device)
 
     if not unit.requires_gradient_sync:
         flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
@@ -92,10 +95,13 @@ def reduce_bucket(unit, index: int, grads) -> None:
     kept = [g for g in grads if g is not None] if device.type == "cuda" else []
     pending.keep_alive.extend([result["flat"], *kept])
     used_now, state.used = state.used, []
+    nonfinite, state.nonfinite = state.nonfinite, None
 
     def finish() -> None:
         with span("reduce_scatter.wait", unit.name):
             pending.wait()
+        if nonfinite is not None:
+            finite.raise_if_nonfinite(unit, index, nonfinite)
         reduced = result["output"]
         if unit.offload is not None:
             reduced = to_host(reduced)
@@ -108,4 +114,5 @@ def reduce_bucket(unit, index: int, grads) -> None:
                 continue
             slot.param.grad = view
 
+    finish.pending = pending  # what Schedule.abandon_backward waits for without applying
     unit.schedule.add_pending_reduce_scatter(finish)

@@ -64,7 +64,11 @@ class Schedule:
 
     # ---- forward ------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
+        if self._backward_queued:  # the last backward raised before its end-of-backward callback
+            self.abandon_backward()
         self.drain_reduce_scatters()
+        for unit in self.units:  # users edit models between steps: check before any collective
+            unit.check_params_unchanged()
         self.checker.next_iteration()
         self._recording = []
         self.in_forward = True
@@ -119,6 +123,20 @@ class Schedule:
             unit.reset_backward_state()
         self._backward_queued = False
         RECORDER.add("backward.finalize", self.root.name)
+
+    def abandon_backward(self) -> None:
+        """Clean up after a backward that raised (a hook, a collective, a non-finite gradient).
+
+        Every rank issued the same collectives, so they are waited for, but the gradients still in
+        flight and any no_sync accumulation are dropped: they belong to the failed step, and
+        applying them now would land after the user's zero_grad(). The units go back to sharded.
+        """
+        while self.pending_reduce_scatters:
+            self.pending_reduce_scatters.popleft().pending.wait()
+        for unit in self.units:
+            for state in unit.bucket_grads:
+                state.unsharded_accumulator, state.used, state.nonfinite = None, [], None
+        self.finalize_backward()
 
     def reshard_all(self) -> None:
         for unit in self.units:

@@ -159,6 +159,33 @@ class Unit:
         self.post_forward_chunks = None
         return works
 
+    def check_params_unchanged(self) -> None:
+        """Raise, before any collective, if a sharded parameter was replaced since fully_shard.
+
+        The runtime points the module attributes at its own views in every forward, so an assigned
+        new Parameter (or a `.data` swapped for a tensor of another shape) would be silently
+        dropped, and the optimizer would keep updating a shard the model no longer reads. The check
+        costs two identity/pointer comparisons per parameter.
+        """
+        for bucket in self.buckets:
+            for slot, view in zip(bucket.slots, bucket.shard_views):
+                name = f"{self.name}.{slot.fqn}" if self.name else slot.fqn
+                for module, attr in slot.locations:
+                    if module._parameters.get(attr) is not slot.param:
+                        raise RuntimeError(
+                            f"parameter '{name}' ({type(module).__name__}.{attr}) was replaced after "
+                            "fully_shard: the sharded parameter is no longer the module's attribute. "
+                            "Change parameters in place (torch.no_grad() + copy_) or via "
+                            "load_state_dict, or make the change before fully_shard")
+                param = slot.param
+                if param.shape != view.shape or param.data_ptr() != view.data_ptr():
+                    raise RuntimeError(
+                        f"parameter '{name}' had its .data replaced after fully_shard (now shape "
+                        f"{list(param.shape)}; this rank's shard is {list(view.shape)} of the "
+                        f"original {list(slot.shape)}): it no longer views the sharded storage "
+                        "(or a forward ran inside summon_full_params). Copy new values in place, "
+                        "or make the change before fully_shard")
+
     def wait_unshard(self) -> None:
         if self.pending_unshard is not None:
             with span("all_gather.wait", self.name):

@@ -1,0 +1,57 @@
+"""`check_optimizer(model, optimizer)`: catch an optimizer that cannot train a sharded model.
+
+Sharding keeps the user's nn.Parameter objects (each becomes a 1-D view of its shard), so an
+optimizer built before or after fully_shard over `model.parameters()` is right. Two mistakes are
+silent otherwise: an optimizer over another model's parameters (the unwrapped reference, a copy made
+before wrapping) steps tensors the sharded model never reads, and one that already stepped before
+wrapping holds full-shape state (exp_avg, ...) that no longer lines up with the shards. The check
+is explicit (call it once after building the optimizer): it reads only local metadata and issues no
+collective, and an optimizer may legitimately cover only part of the model, which it allows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .schedule import units_of
+
+
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError naming the parameter if `optimizer` does not fit sharded `model`.
+
+    Args:
+        model: the model after fully_shard (or FullyShardedDataParallel).
+        optimizer: the optimizer that is to train it.
+    """
+    module = getattr(model, "_fsdp_wrapped_module", model)
+    if not units_of(module):
+        raise ValueError(f"{type(module).__name__} has no fully_shard units; check the optimizer "
+                         "against the sharded model")
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    full_shapes = {id(slot.param): slot.shape for unit in units_of(module)
+                   for bucket in unit.buckets for slot in bucket.slots}
+    by_shape = {tuple(shape): names.get(pid, "?") for pid, shape in full_shapes.items()}
+    covered = 0
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) in names:
+                covered += 1
+                continue
+            hint = ""
+            if (twin := by_shape.get(tuple(param.shape))) is not None:
+                hint = f"; it has the unsharded shape of '{twin}'"
+            raise ValueError(
+                f"optimizer param_groups[{g}]['params'][{i}] (shape {list(param.shape)}) is not a "
+                f"parameter of the sharded {type(module).__name__}{hint}: the optimizer was built "
+                "over another model (the unwrapped one, or a copy made before fully_shard). Build "
+                "it from model.parameters() of the sharded model")
+    if covered == 0:
+        raise ValueError("the optimizer holds none of the sharded model's parameters")
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(
+                    f"optimizer state '{key}' of parameter '{names.get(id(param), '?')}' has shape "
+                    f"{list(value.shape)}, the parameter's local shard is {list(param.shape)}: the "
+                    "optimizer stepped before fully_shard. Build the optimizer after sharding, or "
+                    "load its saved state into a fresh one")
