@@ -117,6 +117,16 @@ class Bucket:
             self.grad_shard = torch.zeros_like(self.shard)
             self.grad_views = [self.grad_shard[slice(*self.local_range(s))] for s in self.slots]
 
+    def release_grad_shard_if_unused(self) -> None:
+        """Drop the sharded gradient buffer once no parameter's .grad refers to it.
+
+        After `zero_grad(set_to_none=True)` every .grad is None; keeping the buffer would hold a
+        shard of gradients through the next forward, where activations peak (PyTorch's FSDP2 and
+        DDP free them there too). The next epilogue allocates it again and overwrites it.
+        """
+        if self.grad_shard is not None and all(s.param.grad is None for s in self.slots):
+            self.grad_shard, self.grad_views = None, []
+
     def sync_param_grads_into_buffer(self) -> bool:
         """Adopt whatever the user left in `param.grad` before a new gradient lands.
 

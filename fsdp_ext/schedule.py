@@ -69,6 +69,9 @@ class Schedule:
         self.drain_reduce_scatters()
         for unit in self.units:  # users edit models between steps: check before any collective
             unit.check_params_unchanged()
+        for unit in self.units:
+            for bucket in unit.buckets:
+                bucket.release_grad_shard_if_unused()
         self.checker.next_iteration()
         self._recording = []
         self.in_forward = True
