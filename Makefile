@@ -5,7 +5,7 @@ VPY      = $(VENV)/bin/python
 TORCH   ?= torch==2.14.1
 NPROC   ?= 2
 
-.PHONY: venv build test test-all cuda-check train train-smoke bench clean
+.PHONY: venv build test test-all soak cuda-check train train-smoke bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: build
 
 test-all: build
 	$(VPY) -m pytest -q tests --runslow
+
+# The soak test on a short budget (world 4, CPU): SOAK_STEPS steps with random micro-batch counts,
+# periodic checkpoints, losses against a reference, no memory growth. test-all runs 300 steps.
+SOAK_STEPS ?= 100
+soak: build
+	FSDP_EXT_SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest -q tests/test_soak.py --runslow
 
 # Compile-checks the CUDA sources with nvcc (no GPU needed).
 cuda-check: venv
