@@ -107,40 +107,17 @@ def shard(model: GPT, args, device: torch.device):
     return fsdp_ext.fully_shard(model, **kwargs)
 
 
-# ---- checkpoints: the only two functions that know the format ---------------------------------------
+# ---- checkpoints ------------------------------------------------------------------------------------
 def save_checkpoint(model, optimizer, step: int, directory: str) -> None:
-    """The full model state from rank 0 (one file) plus each rank's optimizer shard.
-
-    Written to a temporary name and renamed, so a crash never leaves a half-written checkpoint. The
-    optimizer state is over this rank's shard, so resuming it needs the same world size and plan.
-    """
-    state = fsdp_ext.full_state_dict(model, rank0_only=True, cpu_offload=True)
-    rank = dist.get_rank()
-    os.makedirs(directory, exist_ok=True)
-    files = [(f"optim_rank{rank}.pt", {"optim": optimizer.state_dict(), "step": step})]
-    if rank == 0:
-        files.append(("model.pt", {"model": state, "step": step,
-                                   "world_size": dist.get_world_size()}))
-    for name, obj in files:
-        tmp = os.path.join(directory, name + ".tmp")
-        torch.save(obj, tmp)
-        os.replace(tmp, os.path.join(directory, name))
-    dist.barrier()
+    """Sharded model + optimizer state with torch.distributed.checkpoint, published atomically:
+    a crash mid-save leaves the previous checkpoint in place, and any world size can resume it."""
+    fsdp_ext.save_checkpoint(directory, model, optimizer, step)
 
 
-def load_model_checkpoint(model: GPT, directory: str) -> dict:
-    """Load the full state into the unwrapped model (before sharding); returns the file's header."""
-    ckpt = torch.load(os.path.join(directory, "model.pt"), map_location="cpu", weights_only=True)
-    model.load_state_dict(ckpt.pop("model"))
-    return ckpt
-
-
-def load_optimizer_checkpoint(optimizer, directory: str, world_size: int) -> bool:
-    path = os.path.join(directory, f"optim_rank{dist.get_rank()}.pt")
-    if world_size != dist.get_world_size() or not os.path.exists(path):
-        return False  # a different world size re-shards: the optimizer starts afresh
-    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["optim"])
-    return True
+def load_checkpoint(model, optimizer, directory: str) -> int:
+    """Load the latest checkpoint into the sharded model and optimizer; returns its step."""
+    step, _ = fsdp_ext.load_checkpoint(directory, model, optimizer)
+    return step
 
 
 # ---- training ---------------------------------------------------------------------------------------
@@ -196,19 +173,14 @@ def main(argv=None) -> None:
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     d_model=args.d_model)
     model, start = GPT(cfg), 0
-    header = None
-    if args.resume:
-        header = load_model_checkpoint(model, args.checkpoint_dir)
-        start = header["step"]
     n_params = model.num_params()
     model = shard(model, args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
-    if header is not None:
-        restored = load_optimizer_checkpoint(optimizer, args.checkpoint_dir, header["world_size"])
+    if args.resume:
+        start = load_checkpoint(model, optimizer, args.checkpoint_dir)
         if rank == 0:
-            print(f"resumed from {args.checkpoint_dir} at step {start} "
-                  f"(optimizer state {'restored' if restored else 'reset'})")
+            print(f"resumed from {args.checkpoint_dir} at step {start}")
     train, val = corpus.split(corpus.load_corpus(args.data))
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
     if args.describe:
