@@ -143,7 +143,7 @@ def _assert_survivors_report(results: dict, world_size: int) -> list[str]:
 @pytest.mark.parametrize("fail_step,check_iterations,where", [
     (1, "2", "peers did not reach"),        # fingerprints on: blocked in the exchange
     (2, "0", "failed (collective_timeout 3 s)"),  # fingerprints off: blocked in a collective
-])
+], ids=["fingerprints-on", "fingerprints-off"])
 def test_blocked_rank_times_out(fail_step, check_iterations, where):
     world_size = 2
     env = {"FSDP_EXT_COLLECTIVE_TIMEOUT_S": "3", "FSDP_EXT_CHECK_ITERATIONS": check_iterations}
@@ -160,7 +160,7 @@ def test_blocked_rank_times_out(fail_step, check_iterations, where):
     ("kill", 2, -9),     # SIGKILL in forward
     ("exit", 3, 7),      # os._exit in backward
     ("raise", 2, 1),     # an exception in backward, left uncaught
-])
+], ids=["sigkill-forward", "exit-backward", "raise-backward"])
 def test_dead_rank_ends_survivors(mode, world_size, exit_code):
     with Ranks(["tests/fault_script.py", "--mode", mode, "--fail-step", "2"], world_size) as ranks:
         results = ranks.wait(range(world_size), DEADLINE_S)
