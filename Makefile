@@ -7,7 +7,7 @@ NPROC   ?= 2
 
 .PHONY: venv build test test-all soak cuda-check train train-smoke bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)" ninja pybind11 pytest numpy setuptools wheel hypothesis safetensors tqdm transformers matplotlib
@@ -16,9 +16,13 @@ $(VENV)/.installed: pyproject.toml setup.py
 venv: $(VENV)/.installed
 
 # Builds fsdp_ext._C in place (CPU kernels always; CUDA kernels when nvcc and a CUDA torch exist,
-# unless FSDP_EXT_NO_CUDA=1).
-build: venv
+# unless FSDP_EXT_NO_CUDA=1). Rebuilt only when a source changes: a CUDA build takes minutes.
+BUILT = $(VENV)/.built
+$(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
 	MAX_JOBS=$(NPROC) $(VPY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+build: $(BUILT)
 
 # The test suite (CPU only; CUDA tests skip without a GPU).
 test: build
