@@ -1,0 +1,61 @@
+"""The runtime's own account of the bytes it holds on this rank, read from the units' buckets.
+
+    params:     the sharded parameter storage (bucket.shard), padding included
+    grads:      the sharded gradient storage (bucket.grad_shard), once a backward created it
+    optimizer:  every tensor in optimizer.state (AdamW: exp_avg, exp_avg_sq, step), by storage
+    unsharded:  gathered `full` buffers allocated right now (0 between steps; the root and the
+                last unit stay allocated from forward to backward)
+
+`unsharded_unit_max` is the largest single unit's gathered size, so a caller can bound what the
+prefetch depth adds (depth + 1 transient units plus the root). Process RSS also holds activations,
+the allocator's free lists and the libraries; this report is what sharding controls.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .schedule import units_of
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return _storage_bytes(v for state in optimizer.state.values() for v in state.values())
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Bytes this rank holds for `model`'s sharded units and `optimizer`, by category.
+
+    Args:
+        model: a module sharded with fully_shard / FullyShardedDataParallel (or containing units).
+        optimizer: the optimizer over its parameters (optional).
+    Returns:
+        dict with params, grads, optimizer, unsharded, unsharded_unit_max, total (bytes) and units.
+    """
+    units = units_of(model)
+    params = grads = unsharded = unit_max = 0
+    for unit in units:
+        unit_full = 0
+        for bucket, full in zip(unit.buckets, unit.full_data):
+            params += bucket.shard.untyped_storage().nbytes() if bucket.shard is not None else 0
+            if bucket.grad_shard is not None:
+                grads += bucket.grad_shard.untyped_storage().nbytes()
+            unsharded += full.untyped_storage().nbytes()
+            unit_full += full.numel() * full.element_size()
+        unit_max = max(unit_max, unit_full)
+    report = dict(params=params, grads=grads, optimizer=optimizer_state_bytes(optimizer),
+                  unsharded=unsharded)
+    report["total"] = sum(report.values())
+    report.update(unsharded_unit_max=unit_max, units=len(units))
+    return report
