@@ -13,7 +13,9 @@ from .optim_check import check_optimizer
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .load_state_dict import load_full_state_dict
 from .load_optim_state_dict import load_optim_state_dict
+from .memory import memory_report
 from .optim_state_dict import optim_state_dict
+from .plan import plan
 from .safetensors_io import export_safetensors
 from .state_dict import full_state_dict, sharded_state_dict
 from .summon import summon_full_params
@@ -28,5 +30,5 @@ __all__ = [
     "ModuleWrapPolicy", "NonFiniteGradientError", "ShardingStrategy", "clip_grad_norm_",
     "check_optimizer",
     "full_state_dict", "fully_shard", "size_based_auto_wrap_policy", "summon_full_params",
-    "describe",
+    "describe", "memory_report", "plan",
 ]

@@ -1,0 +1,149 @@
+"""What the planner measures on this machine before a launch: unit sizes, activations, compute,
+the optimizer's speed and (inside a process group) the all-gather link.
+
+Everything runs on the unwrapped model in one process; nothing here shards or communicates except
+`measure_link`, which needs an initialised process group.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import all_gather_into
+from .comm_model import Link, fit_link
+from .schedule import units_of
+
+
+@dataclass
+class UnitSpec:
+    """One future unit: the sizes of the parameters it will own."""
+
+    name: str
+    module: nn.Module | None
+    numels: list[int] = field(default_factory=list)
+    itemsize: int = 4
+    is_root: bool = False
+    activation_bytes: int = 0     # saved for backward by this unit's own forward (measured)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+def describe_units(model: nn.Module, unit_classes=None) -> list[UnitSpec]:
+    """The units fully_shard would create: existing fsdp_ext units if the model is sharded, else
+    one per module whose class is in `unit_classes` (outermost only), and the root."""
+    existing = units_of(model)
+    if existing:
+        return [UnitSpec(u.name or "<root>", u.module,
+                         [s.numel for b in u.buckets for s in b.slots],
+                         u.buckets[0].shard.element_size() if u.buckets else 4, u.module is model)
+                for u in existing]
+    classes = tuple(unit_classes or ())
+    picked: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if name and isinstance(module, classes) and not any(
+                name.startswith(p + ".") for p in picked.values()):
+            picked[id(module)] = name
+    owned: set[int] = set()
+    specs = []
+    for name, module in model.named_modules():
+        if id(module) in picked:
+            params = [p for p in module.parameters() if id(p) not in owned]
+            owned.update(id(p) for p in params)
+            specs.append(UnitSpec(name, module, [p.numel() for p in params],
+                                  params[0].element_size() if params else 4))
+    rest = [p for p in model.parameters() if id(p) not in owned]
+    specs.insert(0, UnitSpec("<root>", model, [p.numel() for p in rest],
+                             rest[0].element_size() if rest else 4, is_root=True))
+    return specs
+
+
+def measure_activations(model: nn.Module, specs: list[UnitSpec], run_forward) -> int:
+    """Bytes autograd saves for backward in one forward (distinct storages, parameters excluded),
+    attributed to the innermost unit running at the time; returns the total."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack: list[UnitSpec] = [s for s in specs if s.is_root][:1]
+    seen: dict[int, tuple[UnitSpec, int]] = {}
+    handles = []
+
+    def enter(spec):
+        return lambda module, args: stack.append(spec)  # returns None: args unchanged
+
+    def leave(module, args, output):
+        stack.pop()  # returns None: output unchanged
+
+    for spec in specs:
+        if not spec.is_root and spec.module is not None:
+            handles.append(spec.module.register_forward_pre_hook(enter(spec)))
+            handles.append(spec.module.register_forward_hook(leave))
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (stack[-1], storage.nbytes())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run_forward()
+    finally:
+        for h in handles:
+            h.remove()
+    for spec in specs:
+        spec.activation_bytes = 0
+    for spec, nbytes in seen.values():
+        spec.activation_bytes += nbytes
+    return sum(nbytes for _, nbytes in seen.values())
+
+
+def measure_compute(run_step, reps: int = 2) -> float:
+    """Median seconds of forward + backward (`run_step`), after one warm-up call."""
+    run_step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run_step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def adamw_seconds_per_element(numel: int = 1 << 21, reps: int = 3) -> float:
+    """AdamW step time per parameter element on this machine (single-tensor, as on CPU)."""
+    p = nn.Parameter(torch.zeros(numel))
+    p.grad = torch.ones(numel)
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        opt.step()
+    return (time.perf_counter() - t0) / reps / numel
+
+
+def measure_link(group=None, sizes=(1 << 16, 1 << 20, 1 << 23), reps: int = 3) -> Link:
+    """Fit alpha and bandwidth to the runtime's all-gathers of fp32 buffers over `group` (every
+    rank of it calls this)."""
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    samples = []
+    for full_bytes in sizes:
+        numel = full_bytes // 4 // world * world
+        out = torch.empty(numel)
+        slot = out.narrow(0, rank * (numel // world), numel // world)
+        all_gather_into(out, slot, group, async_op=False)  # warm-up
+        times = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            all_gather_into(out, slot, group, async_op=False)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        samples.append((numel * 4, t.item()))
+    return fit_link(samples, world, f"{dist.get_backend(group)} (measured, {world} ranks)")

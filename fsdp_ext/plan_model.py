@@ -1,0 +1,206 @@
+"""The planner's model: per-rank peak memory and step time of one fsdp_ext setting (plan.py
+gathers the inputs and calls it for every setting).
+
+Memory per rank (bytes): sharded parameters, gradients and optimizer state (AdamW: two fp32
+tensors per parameter), activations (measured: what autograd saves for backward in one forward of
+`loss_fn`, or `activation_bytes`), gathered units in flight (the root plus depth + 1 units under
+FULL_SHARD; every unit under SHARD_GRAD_OP) and the gradient path's buffers (a unit's gradients
+and up to three packed copies in flight). The peak is the largest of: the end of forward, each unit
+of backward (activations freed and gradient shards created as it goes), the optimizer step.
+
+Step time: measured forward + backward of `loss_fn` on this machine (or flops / flop rate), the
+optimizer on the local shard, and the communication of an alpha-beta ring model (comm_model.py).
+How much communication hides behind compute: on CPU ranks that fill every core, none (gloo's
+threads copy through the same cores); otherwise per unit max(0, comm - compute) with prefetch
+(depth >= 1), plus the first all-gather and the last reduction, which nothing can hide.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
+from .flat_param import ALIGN
+from .plan_measure import UnitSpec
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+MAX_PENDING_REDUCE_SCATTERS = 2  # schedule.DEFAULT_OPTIONS
+
+
+@dataclass(frozen=True)
+class Setting:
+    strategy: str
+    prefetch: int
+
+
+@dataclass
+class Estimate:
+    setting: Setting
+    memory: dict = field(default_factory=dict)   # bytes per rank, by component, and "peak"
+    time: dict = field(default_factory=dict)     # seconds per step, by component, and "step"
+    fits: bool | None = None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def padded_numel(spec: UnitSpec, shards: int) -> int:
+    """A unit's flat size as flat_param lays it out: each parameter ALIGN-aligned, total / shards."""
+    offset = 0
+    for n in spec.numels:
+        offset = _round_up(offset, ALIGN) + n
+    return _round_up(max(offset, 1), shards)
+
+
+@dataclass
+class PlanInputs:
+    """Inputs of the estimate: the units and what was measured or given."""
+
+    units: list[UnitSpec]
+    world_size: int
+    compute_s: float                 # forward + backward per rank
+    adamw_s_per_element: float
+    link: Link                       # the shard group's link
+    cross_link: Link | None = None   # HYBRID_SHARD / NO_SHARD replicas across nodes
+    per_node: int = 0                # ranks per node (HYBRID_SHARD shard group)
+    param_bytes: int = 4             # gathered parameter dtype size (param_dtype)
+    reduce_bytes: int = 4            # gradient reduction dtype size
+    state_bytes: int = 4             # sharded parameter / gradient dtype size
+    optimizer_states: int = 2        # AdamW: exp_avg, exp_avg_sq (fp32)
+    reduce_is_all_reduce: bool = False  # gloo: the runtime all-reduces in place
+    comm_hides: bool = True          # False where communication competes for the compute cores
+    grads_set_to_none: bool = True   # zero_grad(set_to_none=True): gradient shards freed
+
+    def shards(self, strategy: str) -> int:
+        if strategy == "NO_SHARD":
+            return 1
+        if strategy == "HYBRID_SHARD" and self.per_node:
+            return min(self.per_node, self.world_size)
+        return self.world_size
+
+
+def estimate_memory(m: PlanInputs, s: Setting) -> dict:
+    shards = m.shards(s.strategy)
+    blocks = [u for u in m.units if not u.is_root]
+    root = next((u for u in m.units if u.is_root), None)
+    local = {id(u): padded_numel(u, shards) // shards for u in m.units}
+    full = {id(u): padded_numel(u, shards) for u in m.units}
+    params = sum(local.values()) * m.state_bytes
+    optimizer = sum(u.numel for u in m.units) // shards * 4 * m.optimizer_states + 4 * sum(
+        len(u.numels) for u in m.units)
+    biggest = max((full[id(u)] for u in blocks), default=0)
+    root_full = full[id(root)] * m.param_bytes if root else 0
+    if s.strategy in ("FULL_SHARD", "HYBRID_SHARD"):
+        gathered = root_full + min(s.prefetch + 1, len(blocks)) * biggest * m.param_bytes
+    else:  # kept gathered from forward to backward
+        gathered = sum(full.values()) * m.param_bytes
+    activations = sum(u.activation_bytes for u in m.units)
+    static = params + optimizer
+    grads_all = params
+    phases = {"end of forward": static + gathered + activations
+              + (0 if m.grads_set_to_none else grads_all)}
+    remaining = activations - (root.activation_bytes if root else 0)
+    for k, unit in enumerate(reversed(blocks), start=1):
+        done = max(0, k - MAX_PENDING_REDUCE_SCATTERS)
+        grads = grads_all if not m.grads_set_to_none else sum(
+            local[id(u)] for u in list(reversed(blocks))[:done]) * m.state_bytes
+        transient = full[id(unit)] * (m.param_bytes + min(k, MAX_PENDING_REDUCE_SCATTERS + 1)
+                                      * m.reduce_bytes)
+        phases[f"backward of {unit.name}"] = static + grads + remaining + gathered + transient
+        remaining -= unit.activation_bytes
+    phases["optimizer step"] = static + grads_all
+    peak_phase = max(phases, key=phases.get)
+    return dict(params=params, grads=grads_all, optimizer=optimizer, activations=activations,
+                gathered=gathered, peak=phases[peak_phase], peak_phase=peak_phase)
+
+
+def estimate_time(m: PlanInputs, s: Setting) -> dict:
+    shards = m.shards(s.strategy)
+    blocks = [u for u in m.units if not u.is_root]
+    total = max(1, sum(u.numel for u in m.units))
+    comm_per_unit, first_ag, last_reduce = [], 0.0, 0.0
+    for i, u in enumerate(m.units):
+        full = padded_numel(u, shards)
+        ag = all_gather_s(full * m.param_bytes, shards, m.link) if s.strategy != "NO_SHARD" else 0.0
+        regather = s.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not u.is_root and (
+            u is not blocks[-1])  # the last unit to run forward stays gathered for backward
+        reduce_fn = all_reduce_s if m.reduce_is_all_reduce else reduce_scatter_s
+        red = reduce_fn(full * m.reduce_bytes, shards, m.link) if shards > 1 else 0.0
+        if m.world_size > shards:  # replicas all-reduce the (shard of the) gradient
+            across = m.cross_link if (m.cross_link and s.strategy == "HYBRID_SHARD") else m.link
+            red += all_reduce_s(full // shards * m.reduce_bytes, m.world_size // shards, across)
+        comm = ag * (2 if regather else 1) + red
+        comm_per_unit.append((u, comm))
+        if i == 0 or u is (blocks[0] if blocks else None):
+            first_ag += ag
+        last_reduce = red
+    comm = sum(c for _, c in comm_per_unit)
+    if not m.comm_hides or s.prefetch == 0:
+        exposed = comm
+    else:
+        exposed = first_ag + last_reduce + sum(
+            max(0.0, c - m.compute_s * u.numel / total) for u, c in comm_per_unit)
+        exposed = min(exposed, comm)
+    optimizer = m.adamw_s_per_element * total / shards
+    return dict(compute=m.compute_s, optimizer=optimizer, comm=comm, exposed_comm=exposed,
+                step=m.compute_s + optimizer + exposed)
+
+
+@dataclass
+class Plan:
+    model: PlanInputs
+    estimates: list[Estimate]
+    memory_budget: float | None
+    notes: list[str]
+
+    def estimate(self, strategy: str = "FULL_SHARD", prefetch: int = 1) -> Estimate:
+        return next(e for e in self.estimates if e.setting == Setting(strategy, prefetch))
+
+    def best(self) -> Estimate | None:
+        fitting = [e for e in self.estimates if e.fits is not False]
+        return min(fitting, key=lambda e: e.time["step"], default=None)
+
+    def table(self) -> str:
+        best = self.best()
+        rows = ["| strategy | prefetch | peak memory/rank (MiB) | at | step (s) | comm (s) | "
+                "exposed comm (s) | fits |", "|---|---|---|---|---|---|---|---|"]
+        for e in self.estimates:
+            mark = " (best)" if e is best else ""
+            fits = "-" if e.fits is None else ("yes" if e.fits else "no")
+            rows.append(f"| {e.setting.strategy}{mark} | {e.setting.prefetch} | "
+                        f"{e.memory['peak'] / 2**20:.0f} | {e.memory['peak_phase']} | "
+                        f"{e.time['step']:.3f} | {e.time['comm']:.3f} | "
+                        f"{e.time['exposed_comm']:.3f} | {fits} |")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        m = self.model
+        head = (f"fsdp_ext plan: {len(m.units)} units, {sum(u.numel for u in m.units) / 1e6:.1f}M "
+                f"parameters, world size {m.world_size}, link {m.link.name} (alpha "
+                f"{m.link.alpha_s * 1e6:.0f} us, {m.link.bandwidth / 1e9:.2f} GB/s), compute "
+                f"{m.compute_s:.3f} s/step")
+        budget = (f"memory budget {self.memory_budget / 2**20:.0f} MiB/rank"
+                  if self.memory_budget else "no memory budget given")
+        return "\n".join([head, budget, *self.notes, "", self.table()])
+
+
+def build_plan(m: PlanInputs, memory_budget: float | None = None, prefetch=(0, 1, 2),
+               strategies=STRATEGIES, notes: list[str] | None = None) -> Plan:
+    estimates = []
+    for strategy in strategies:
+        if strategy == "HYBRID_SHARD" and not (m.per_node and m.world_size > m.per_node):
+            continue  # one node: the same as FULL_SHARD
+        for depth in prefetch:
+            s = Setting(strategy, depth)
+            e = Estimate(s, estimate_memory(m, s), estimate_time(m, s))
+            if memory_budget is not None:
+                e.fits = e.memory["peak"] <= memory_budget
+            estimates.append(e)
+    return Plan(m, estimates, memory_budget, list(notes or []))
+
+
+def cpu_saturated(world_size: int, threads: int, ranks_per_node: int | None = None) -> bool:
+    """True when this node's ranks' compute threads occupy every core (gloo then competes)."""
+    ranks = ranks_per_node or world_size
+    return ranks * threads >= (os.cpu_count() or 1)
