@@ -54,7 +54,8 @@ def all_gather_s(full_bytes: float, world_size: int, link: Link) -> float:
     """Gather `full_bytes` (the unsharded size) from `world_size` equal shards."""
     if world_size <= 1:
         return 0.0
-    return (world_size - 1) * link.alpha_s + (world_size - 1) / world_size * full_bytes / link.bandwidth
+    steps = world_size - 1
+    return steps * link.alpha_s + steps / world_size * full_bytes / link.bandwidth
 
 
 def reduce_scatter_s(full_bytes: float, world_size: int, link: Link) -> float:

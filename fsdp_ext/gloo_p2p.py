@@ -90,7 +90,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> Exchange:
     return Exchange(_post(post))
 
 
-def reduce_scatter_sum(flat: torch.Tensor, shard_numel: int, group) -> tuple[torch.Tensor, Exchange]:
+def reduce_scatter_sum(flat: torch.Tensor, shard_numel: int,
+                       group) -> tuple[torch.Tensor, Exchange]:
     """Sum of every rank's `flat` chunk r, into this rank's chunk r of `flat` (returned view).
 
     The peers' contributions land in one temporary [world - 1, shard_numel] buffer and are added

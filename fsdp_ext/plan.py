@@ -43,7 +43,8 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         unit_classes: module classes that become units (one per outermost instance); the rest of the
             parameters form the root unit. Ignored for an already wrapped model.
         loss_fn: `loss_fn(model) -> scalar loss` on one rank's batch; measures activations (saved
-            tensors of one forward) and, unless compute_s or flops are given, forward + backward time.
+            tensors of one forward) and, unless compute_s or flops are given, the forward +
+            backward time.
         activation_bytes: activations per rank, instead of measuring them.
         compute_s / flops_per_step + flop_rate: forward + backward seconds per step, given.
         param_dtype / reduce_dtype: as in MixedPrecisionPolicy (None: the parameters' dtype).

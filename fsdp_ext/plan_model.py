@@ -46,7 +46,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def padded_numel(spec: UnitSpec, shards: int) -> int:
-    """A unit's flat size as flat_param lays it out: each parameter ALIGN-aligned, total / shards."""
+    """A unit's flat size as flat_param lays it out: parameters ALIGN-aligned, total / shards."""
     offset = 0
     for n in spec.numels:
         offset = _round_up(offset, ALIGN) + n

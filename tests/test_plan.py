@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import fsdp_ext
