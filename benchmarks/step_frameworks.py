@@ -1,0 +1,135 @@
+"""The benchmark model and the five ways bench_step.py trains it.
+
+Every framework gets the same model (same seed, so the same initial weights), the same data and the
+same AdamW; only the wrapping differs:
+    fsdp_ext  fsdp_ext.fully_shard per block, then the root
+    ddp       torch.nn.parallel.DistributedDataParallel (defaults)
+    fsdp1     torch.distributed.fsdp.FullyShardedDataParallel, ModuleWrapPolicy on the block class,
+              use_orig_params=True (FULL_SHARD, BACKWARD_PRE: the defaults)
+    fsdp2     torch.distributed.fsdp.fully_shard per block, then the root (defaults)
+    local     no wrapping, no communication: each rank trains its own replica. The compute floor
+              every framework pays; not a data-parallel training run.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = 8
+    d_model: int = 512
+    nhead: int = 8
+    ffn: int = 2048
+    batch: int = 8      # sequences per rank
+    seq: int = 64       # tokens per sequence
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT = ModelConfig()
+# 16 x (4 d^2 + 2 d ffn) + norms/biases = 201.6M parameters: the issue's ">= 200M" memory case.
+LARGE = ModelConfig(n_layer=16, d_model=1024, nhead=16, ffn=4096, batch=2, seq=64)
+
+
+class EncoderStack(nn.Module):
+    """TransformerEncoderLayer blocks plus a norm and head owned by the root (so it has work)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # dropout=0 so every framework computes the same function and the losses can be compared.
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(cfg.d_model, cfg.nhead, cfg.ffn, dropout=0.0,
+                                       batch_first=True)
+            for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+BLOCK_CLASS = nn.TransformerEncoderLayer
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> EncoderStack:
+    torch.manual_seed(0)
+    return EncoderStack(cfg).to(device)
+
+
+def make_batch(cfg: ModelConfig, rank: int, device: torch.device):
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=g)
+    y = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=g)
+    return x.to(device), y.to(device)
+
+
+def _wrap_fsdp_ext(model, device, options):
+    import fsdp_ext
+    for layer in model.layers:
+        fsdp_ext.fully_shard(layer, **options)
+    return fsdp_ext.fully_shard(model, **options)
+
+
+def _wrap_ddp(model, device, options):
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+
+def _wrap_fsdp1(model, device, options):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({BLOCK_CLASS}), use_orig_params=True,
+        device_id=device)  # on CPU it must be given: FSDP1 otherwise insists on an accelerator
+
+
+def _wrap_fsdp2(model, device, options):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp, "fsdp1": _wrap_fsdp1,
+            "fsdp2": _wrap_fsdp2, "local": lambda model, device, options: model}
+FRAMEWORKS = list(WRAPPERS)
+
+
+def wrap(name: str, model: nn.Module, device: torch.device,
+         options: dict | None = None) -> nn.Module:
+    return WRAPPERS[name](model, device, options or {})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _distinct_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = _local(t).untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def tensor_accounting(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes of this rank's parameter, gradient and optimizer-state storages, any framework.
+
+    Counts distinct storages (FSDP1's and fsdp_ext's parameters are views of one flat shard), not
+    DDP's gradient buckets or any framework's gathered buffers (those are freed by now).
+    """
+    params = list(model.parameters())
+    opt = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return dict(params=_distinct_bytes(params), grads=_distinct_bytes(p.grad for p in params),
+                optimizer=_distinct_bytes(opt))
