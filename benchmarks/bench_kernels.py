@@ -192,6 +192,7 @@ def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup
         rows.append(dict(threads=threads, unit=unit, case=case.name, impl=name, kind=kind,
                          tensors=len(shapes), numel=sum(torch.Size(s).numel() for s in shapes),
                          bytes=moved, median_ms=seconds * 1e3, gbps=moved / seconds / 1e9,
+                         min_ms=min(timer.samples) * 1e3,  # shows how much noise the median hides
                          calls_per_sample=timer.calls))
     copy_gbps = next(r["gbps"] for r in rows if r["kind"] == "limit")
     foreach_ms = next(r["median_ms"] for r in rows if r["kind"] == "foreach")
