@@ -1,0 +1,234 @@
+"""Communication/compute overlap microbenchmark: how much of the all-gather time fsdp_ext hides.
+
+A chain of --units units, each one d x d fp32 weight (the unit size) and a forward of k matmuls of a
+[batch, d] activation with it (the compute intensity), or k sleeps of --sleep-ms ("sleep": compute
+that leaves the cores idle, as work on an accelerator does). For every (kind, d, k), on
+--world-size gloo ranks:
+    compute   the unsharded chain's forward (plain module, no communication)
+    comm      fsdp_ext's all-gather of every unit alone (FSDPModule.unshard() + reshard())
+    depth p   the fsdp_ext-sharded chain's forward with forward prefetch depth p = 0, 1, 2
+Forward only, under no_grad, so the all-gather is the only collective. The five measurements of a
+(d, k) are interleaved repetition by repetition; each is the slowest rank's time, median over reps.
+    exposed communication = (t_depth - t_compute) / t_comm
+0 means fully hidden, 1 means fully serial (depth 0 should read about 1).
+
+On a 2-core machine with 2 ranks, gloo's threads (which copy every byte through the loopback TCP
+stack) compete with the matmul threads for the same cores, so communication cannot hide behind
+matmuls there, however early it is issued: the matmul rows measure that contention, the sleep rows
+the schedule itself.
+
+    python benchmarks/bench_overlap.py
+    python benchmarks/bench_overlap.py --sizes 1024 --matmuls 1 4 --reps 3   # quick
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
+
+DEPTHS = (0, 1, 2)
+TARGET_EXPOSED = 0.15  # issue: <= 15% exposed with depth 1 when compute per unit >= comm per unit
+
+
+class MatmulUnit(nn.Module):
+    """k matmuls with the unit's weight; or, with sleep_s > 0, k sleeps: compute that leaves the
+    host's cores idle, as an accelerator's kernels do."""
+
+    def __init__(self, d: int, k: int, sleep_s: float = 0.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d ** 0.5)  # norm-preserving on average
+        self.k = k
+        self.sleep_s = sleep_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sleep_s:
+            time.sleep(self.k * self.sleep_s)
+            return x + self.w[0, 0]  # still reads the gathered weight
+        for _ in range(self.k):
+            x = x @ self.w
+        return x
+
+
+def build_chain(d: int, k: int, units: int, sleep_s: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(MatmulUnit(d, k, sleep_s) for _ in range(units)))
+
+
+def shard_chain(d: int, k: int, units: int, depth: int, sleep_s: float) -> nn.Sequential:
+    import fsdp_ext
+    chain = build_chain(d, k, units, sleep_s)
+    opts = dict(forward_prefetch=depth, backward_prefetch=depth)
+    for unit in chain:
+        fsdp_ext.fully_shard(unit, **opts)
+    return fsdp_ext.fully_shard(chain, **opts)
+
+
+def _timed(fn) -> float:
+    """Slowest rank's wall time of fn() started together after a barrier."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure(kind: str, d: int, k: int, args) -> dict:
+    x = torch.randn(args.batch, d, generator=torch.Generator().manual_seed(dist.get_rank()))
+    sleep_s = args.sleep_ms / 1e3 if kind == "sleep" else 0.0
+    plain = build_chain(d, k, args.units, sleep_s)
+    sharded = {p: shard_chain(d, k, args.units, p, sleep_s) for p in DEPTHS}
+
+    def gather_only(chain):
+        for unit in chain:
+            unit.unshard()
+            unit.reshard()
+
+    runs = {"compute": lambda: plain(x), "comm": lambda: gather_only(sharded[1])}
+    runs.update({f"depth{p}": (lambda p=p: sharded[p](x)) for p in DEPTHS})
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.no_grad():
+        # Warm-up; the first sharded forward also records the order (and makes the root), so the
+        # sharded chains go before the all-gather-only run.
+        for name in [f"depth{p}" for p in DEPTHS] + ["compute", "comm"]:
+            runs[name]()
+            runs[name]()
+        for i in range(args.reps):
+            names = list(runs)
+            names = names[i % len(names):] + names[:i % len(names)]
+            for name in names:
+                samples[name].append(_timed(runs[name]))
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    row = dict(kind=kind, d=d, matmuls=k, unit_mb=d * d * 4 / 2**20, units=args.units,
+               compute_per_unit_ms=1e3 * med["compute"] / args.units,
+               comm_per_unit_ms=1e3 * med["comm"] / args.units, samples=samples)
+    row["compute_over_comm"] = med["compute"] / med["comm"]
+    for p in DEPTHS:
+        row[f"exposed_depth{p}"] = (med[f"depth{p}"] - med["compute"]) / med["comm"]
+    return row
+
+
+def worker(rank: int, world_size: int, port: int, args, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=600))
+    rows = []
+    for kind in args.kinds:
+        for d in args.sizes:
+            for k in args.matmuls:
+                rows.append(measure(kind, d, k, args))
+                r = rows[-1]
+                if rank == 0:
+                    print(f"{kind} d={d} k={k}: compute/comm {r['compute_over_comm']:.2f}, exposed "
+                          + " ".join(f"{r[f'exposed_depth{p}']:.2f}" for p in DEPTHS), flush=True)
+    if rank == 0:
+        torch.save(rows, path)
+    dist.destroy_process_group()
+
+
+def report(rows: list[dict], args, argv: list[str]) -> None:
+    m = machine()
+    command = "python " + " ".join(["benchmarks/bench_overlap.py", *argv[1:]])
+    header = ["compute", "unit (MB)", "k/unit", "compute/unit (ms)", "all-gather/unit (ms)",
+              "compute ÷ comm", *[f"exposed, depth {p}" for p in DEPTHS]]
+    table = markdown_table(header, [
+        [r["kind"], f"{r['unit_mb']:.0f}", r["matmuls"], f"{r['compute_per_unit_ms']:.2f}",
+         f"{r['comm_per_unit_ms']:.2f}", f"{r['compute_over_comm']:.2f}",
+         *[f"{100 * r[f'exposed_depth{p}']:.0f}%" for p in DEPTHS]] for r in rows])
+    verdicts, worst = [], {}
+    for kind in args.kinds:
+        eligible = [r for r in rows if r["kind"] == kind and r["compute_over_comm"] >= 1.0]
+        worst[kind] = max((r["exposed_depth1"] for r in eligible), default=None)
+        w = worst[kind]
+        verdicts.append(
+            f"{kind}: no configuration had compute >= comm" if w is None else
+            f"{kind}: worst exposed fraction at depth 1 where compute >= comm: {100 * w:.0f}% "
+            f"(target <= {100 * TARGET_EXPOSED:.0f}%: "
+            f"{'met' if w <= TARGET_EXPOSED else 'missed'})")
+    text = "\n".join([
+        f"### Overlap: {args.units} units of k matmuls ([{args.batch}, d] x [d, d], fp32), "
+        f"world size {args.world_size}, gloo CPU, {args.threads} thread(s)/rank, median of "
+        f"{args.reps}", "", f"`{command}`", "", f"Machine: {machine_line(m)}", "", table, "",
+        *[f"- {v}" for v in verdicts], ""])
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "overlap.md"), "w") as f:
+        f.write(text)
+    write_json(os.path.join(args.out, "overlap.json"),
+               dict(command=command, machine=m, args=vars(args), rows=rows, worst_depth1=worst,
+                    target=TARGET_EXPOSED))
+    chart(rows, os.path.join(args.out, "overlap.png"), machine_line(m))
+
+
+def chart(rows: list[dict], path: str, subtitle: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for kind, fill in (("matmul", True), ("sleep", False)):
+        sel = [r for r in rows if r["kind"] == kind]
+        for p, (marker, color) in zip(DEPTHS, zip("osD", ("tab:red", "tab:blue", "tab:green"))):
+            if sel:
+                ax.scatter([r["compute_over_comm"] for r in sel],
+                           [r[f"exposed_depth{p}"] for r in sel],
+                           marker=marker, facecolors=color if fill else "none", edgecolors=color,
+                           label=f"{kind}, prefetch depth {p}")
+    ax.axhline(TARGET_EXPOSED, color="gray", ls="--", lw=0.8, label="15% target")
+    ax.axvline(1.0, color="gray", ls=":", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("compute per unit ÷ all-gather per unit")
+    ax.set_ylabel("exposed communication (t - t_compute) / t_comm")
+    ax.set_title("fsdp_ext forward overlap, gloo (filled: matmul, hollow: sleep)\n" + subtitle,
+                 fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048],
+                   help="unit: a d x d fp32 weight")
+    p.add_argument("--matmuls", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="compute intensity: matmuls per unit")
+    p.add_argument("--batch", type=int, default=32, help="rows of the activation")
+    p.add_argument("--kinds", nargs="+", default=["matmul", "sleep"], choices=["matmul", "sleep"],
+                   help="matmul: CPU compute (competes with gloo for the cores); sleep: idle host")
+    p.add_argument("--sleep-ms", type=float, default=2.0, help="sleep per k in the sleep kind")
+    p.add_argument("--units", type=int, default=12,
+                   help="units in the chain (the first all-gather, 1/units of the total, cannot hide)")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args()
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.pt")
+        mp.spawn(worker, args=(args.world_size, port, args, path), nprocs=args.world_size,
+                 join=True)
+        rows = torch.load(path, weights_only=False)
+    report(rows, args, sys.argv)
+
+
+if __name__ == "__main__":
+    main()
