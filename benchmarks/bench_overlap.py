@@ -213,7 +213,7 @@ def main() -> None:
                    help="matmul: CPU compute (competes with gloo for the cores); sleep: idle host")
     p.add_argument("--sleep-ms", type=float, default=2.0, help="sleep per k in the sleep kind")
     p.add_argument("--units", type=int, default=12,
-                   help="units in the chain (the first all-gather, 1/units of the total, cannot hide)")
+                   help="units in the chain (the first all-gather, 1/units of all, cannot hide)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
