@@ -34,20 +34,27 @@ class Cluster:
     memory_bytes: float   # per device
     peak_flops: float     # per device, dense, in the compute dtype
     mfu: float            # assumed fraction of peak the model's compute reaches
+    memory_bandwidth: float = 0.0  # bytes/s per device (the optimizer step is bound by it)
+
+    @property
+    def adamw_s_per_element(self) -> float:
+        """AdamW reads parameter, gradient and two moments and writes three back: 28 bytes of fp32
+        traffic per element at the memory bandwidth."""
+        return 28 / self.memory_bandwidth
 
     def link_for(self, world_size: int) -> Link:
         return self.intra if world_size <= self.per_node else self.inter
 
 
 # Stated figures, not measurements: H100 SXM, NVLink 4 at 450 GB/s per direction per GPU inside a
-# node, one 400 Gb/s InfiniBand NIC per GPU (50 GB/s) between nodes; 989 TFLOP/s dense bf16; a
-# model FLOP utilisation of 40% (typical of well-tuned FSDP training at this scale).
+# node, one 400 Gb/s InfiniBand NIC per GPU (50 GB/s) between nodes; 989 TFLOP/s dense bf16 and
+# 3.35 TB/s of HBM3; a model FLOP utilisation of 40% (typical of well-tuned FSDP training).
 H100 = Cluster(
     name="H100 SXM, 8 per node: NVLink 450 GB/s, 400 Gb/s IB per GPU",
     per_node=8,
     intra=Link("NVLink", alpha_s=10e-6, bandwidth=450e9),
     inter=Link("InfiniBand 400 Gb/s", alpha_s=20e-6, bandwidth=50e9),
-    memory_bytes=80e9, peak_flops=989e12, mfu=0.40)
+    memory_bytes=80e9, peak_flops=989e12, mfu=0.40, memory_bandwidth=3.35e12)
 
 
 def all_gather_s(full_bytes: float, world_size: int, link: Link) -> float:

@@ -34,7 +34,8 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
          memory_budget: float | None = None, link: Link | None = None,
          cross_link: Link | None = None, ranks_per_node: int | None = None,
          threads_per_rank: int | None = None, device_type: str = "cpu",
-         prefetch=(0, 1, 2), strategies=STRATEGIES) -> Plan:
+         adamw_s_per_element: float | None = None, prefetch=(0, 1, 2),
+         strategies=STRATEGIES) -> Plan:
     """Estimate every (strategy, prefetch depth) for `model` sharded over `world_size` ranks.
 
     Args:
@@ -56,6 +57,7 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         threads_per_rank: torch threads per rank (CPU); with ranks_per_node it decides whether
             communication can hide behind compute (not when ranks' threads fill every core).
         device_type: "cpu" (gloo) or "cuda" (NCCL).
+        adamw_s_per_element: optimizer seconds per parameter element (default: measured here).
     """
     specs = plan_measure.describe_units(model, unit_classes)
     notes = []
@@ -85,7 +87,8 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
     itemsize = next((p.element_size() for p in model.parameters()), 4)
     inputs = PlanInputs(
         units=specs, world_size=world_size, compute_s=compute_s,
-        adamw_s_per_element=plan_measure.adamw_seconds_per_element(), link=link,
+        adamw_s_per_element=(adamw_s_per_element if adamw_s_per_element is not None
+                             else plan_measure.adamw_seconds_per_element()), link=link,
         cross_link=cross_link, per_node=ranks_per_node or 0,
         param_bytes=_size(param_dtype, itemsize), reduce_bytes=_size(reduce_dtype or param_dtype,
                                                                      itemsize),
@@ -108,7 +111,8 @@ def project(model: nn.Module, world_sizes, cluster: Cluster, *, unit_classes=Non
             flops_per_step=flops_per_step, flop_rate=cluster.peak_flops * cluster.mfu,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory_budget=cluster.memory_bytes,
             link=cluster.link_for(world), cross_link=cluster.inter, ranks_per_node=cluster.per_node,
-            device_type="cuda", prefetch=prefetch, strategies=strategies)
+            device_type="cuda", adamw_s_per_element=cluster.adamw_s_per_element,
+            prefetch=prefetch, strategies=strategies)
     return plans
 
 
