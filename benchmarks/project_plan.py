@@ -1,4 +1,4 @@
-"""PROJECTION (nothing here is measured): the planner's estimates for H100 clusters of 8 to 1024 GPUs.
+"""PROJECTION (nothing here is measured): the planner on H100 clusters of 8 to 1024 GPUs.
 
 Models are built on the meta device (no memory), as stacks of TransformerEncoderLayer blocks like
 the step benchmark's, one unit per block. Per GPU: one sequence of 4096 tokens per step (the batch
