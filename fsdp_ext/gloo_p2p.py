@@ -18,6 +18,8 @@ collective should overlap with. Receives are posted before sends.
 """
 from __future__ import annotations
 
+import os
+
 import concurrent.futures
 import threading
 
@@ -29,8 +31,14 @@ _TAG_ALL_GATHER = 7301
 _TAG_REDUCE_SCATTER = 7302
 
 
+def enabled() -> bool:
+    """Opt-in with FSDP_EXT_GLOO_P2P=1. By default the runtime uses torch.distributed's own
+    collectives, the engine the project builds on; this path is an experiment for CPU-only runs."""
+    return os.environ.get("FSDP_EXT_GLOO_P2P", "0") == "1"
+
+
 def usable(tensor: torch.Tensor, group) -> bool:
-    return (tensor.device.type == "cpu" and group is not None
+    return (enabled() and tensor.device.type == "cpu" and group is not None
             and 1 < dist.get_world_size(group) <= MAX_RANKS)
 
 

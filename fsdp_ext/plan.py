@@ -93,8 +93,9 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         param_bytes=_size(param_dtype, itemsize), reduce_bytes=_size(reduce_dtype or param_dtype,
                                                                      itemsize),
         state_bytes=itemsize, comm_hides=hides,
-        # gloo groups beyond gloo_p2p.MAX_RANKS reduce with an in-place all-reduce (comm.py)
-        reduce_is_all_reduce=device_type == "cpu" and world_size > gloo_p2p.MAX_RANKS)
+        # gloo reduces with an in-place all-reduce unless the opt-in gloo_p2p path applies (comm.py)
+        reduce_is_all_reduce=device_type == "cpu" and not (
+            gloo_p2p.enabled() and world_size <= gloo_p2p.MAX_RANKS))
     return build_plan(inputs, memory_budget, prefetch, strategies, notes)
 
 
