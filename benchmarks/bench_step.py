@@ -39,7 +39,7 @@ import rss  # noqa: E402
 from tensor_memory import TensorMemory  # noqa: E402
 import step_report  # noqa: E402
 from step_frameworks import (  # noqa: E402
-    DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, tensor_accounting, wrap)
+    DEFAULT, FRAMEWORKS, LARGE, build_model, environment, make_batch, tensor_accounting, wrap)
 
 
 class Trainer:
@@ -56,10 +56,11 @@ class Trainer:
         """One training step after a barrier: (wall seconds, CPU seconds, loss)."""
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        self.opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(self.model(self.x), self.y)
-        loss.backward()
-        self.opt.step()
+        with environment(self.name):
+            self.opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(self.model(self.x), self.y)
+            loss.backward()
+            self.opt.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         # CPU seconds of all this rank's threads (compute + gloo): what the step costs the cores,
@@ -69,7 +70,7 @@ class Trainer:
     def accounting(self) -> dict:
         from fsdp_ext.memory import memory_report
         out = dict(tensors=tensor_accounting(self.model, self.opt))
-        if self.name == "fsdp_ext":
+        if self.name.startswith("fsdp_ext"):
             out["memory_report"] = memory_report(self.model, self.opt)
         return out
 
