@@ -243,11 +243,14 @@ def describe(result: dict) -> str:
     """A few lines saying where and how the numbers were measured."""
     m = result["machine"]
     where = m.get("gpu") or f"{m['cpu']}, {m['cpu_count']} cores"
-    load = f"{m['load_average_at_start'][0]:.2f} -> {m['load_average_at_end'][0]:.2f}"
+    starts, ends = m["load_average_at_start"], m["load_average_at_end"]
+    if not isinstance(starts[0], list):  # one run; merged reports hold one entry per run
+        starts, ends = [starts], [ends]
+    load = ", ".join(f"{a[0]:.2f} -> {b[0]:.2f}" for a, b in zip(starts, ends))
     notes = "; ".join(result["notes"]) or "none"
     return (f"Device: {m['device']} ({where}); torch {m['torch']}; "
             f"{'quick sizes' if result['quick'] else 'full sizes'}; median of {result['repeats']} "
-            f"samples after {result['warmup']} warm-up runs; 1-min load average {load}.\n"
+            f"samples after {result['warmup']} warm-up runs; 1-min load average per run {load}.\n"
             f"Backends timed: {', '.join(result['backends'])}. Skipped: {notes}.\n"
             f"GB/s counts bytes read + written; 'x copy_' = GB/s / GB/s of a same-size copy_; "
             f"'vs _foreach_copy_' = its time / this time.\n")
@@ -301,7 +304,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "kernels.json"))
     parser.add_argument("--md", help="also write the markdown table here")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="instead of running, combine earlier results (e.g. one run per thread "
+                             "count, each taken while the machine was quiet) into --out / --md")
     args = parser.parse_args(argv)
+    if args.merge:
+        return write_report(merge_results(args.merge), args.out, args.md)
 
     device = torch.device(args.device if args.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -318,20 +326,40 @@ def main(argv=None) -> dict:
                                       args.warmup)
                 print(f"# threads={threads} {unit} {case.name} done", file=sys.stderr, flush=True)
     load_at_end = os.getloadavg()  # other work on the machine skews CPU timings: record it
-    targets = check_targets(rows)
-    table = markdown(rows, targets)
     result = dict(machine=dict(machine, load_average_at_end=load_at_end), quick=args.quick,
                   repeats=args.repeats, warmup=args.warmup, backends=backends, notes=notes,
                   units={u: dict(tensors=len(s), numel=sum(torch.Size(x).numel() for x in s))
                          for u, s in units.items()},
-                  rows=rows, targets=targets)
+                  rows=rows, targets=check_targets(rows))
+    return write_report(result, args.out, args.md)
+
+
+def merge_results(paths: list[str]) -> dict:
+    """One report from several runs of the same configuration; machine info from the first, load
+    averages from all (runs taken at different times can each be checked for interference)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    merged = dict(runs[0], rows=[r for run in runs for r in run["rows"]])
+    merged["machine"] = dict(runs[0]["machine"])
+    merged["machine"]["load_average_at_start"] = [run["machine"]["load_average_at_start"]
+                                                  for run in runs]
+    merged["machine"]["load_average_at_end"] = [run["machine"]["load_average_at_end"]
+                                                for run in runs]
+    merged["targets"] = check_targets(merged["rows"])
+    return merged
+
+
+def write_report(result: dict, out: str, md: str | None) -> dict:
+    table = markdown(result["rows"], result["targets"])
     header = describe(result)
     print(header + "\n" + table)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
+    if md:
+        with open(md, "w") as f:
             f.write(header + "\n" + table + "\n")
     return result
 

@@ -1,4 +1,5 @@
 """The kernel benchmark runs end to end (--quick, torch backend) and writes the rows it promises."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,3 +40,28 @@ def test_quick_benchmark_writes_expected_rows(tmp_path):
     unpack = {r["impl"] for r in rows if r["case"] == "unpack fp32->fp32"}
     assert "torch.split_with_sizes_copy" in unpack
     assert report["targets"] == []  # targets concern the compiled backends only
+
+
+def test_merge_combines_runs(tmp_path):
+    """--merge joins runs (e.g. one per thread count) without re-running anything."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_kernels", os.path.join(ROOT, "benchmarks", "bench_kernels.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclass looks itself up there
+    spec.loader.exec_module(bench)
+    rows = [dict(threads=t, unit="small_1000", case="pack fp32->fp32", impl="cpp", kind="fsdp_ext",
+                 median_ms=1.0, gbps=1.0, vs_copy=0.5, speedup_vs_foreach=2.5) for t in (1, 2)]
+    paths = []
+    for t, row in zip((1, 2), rows):
+        run = dict(machine=dict(device="cpu", cpu="x", cpu_count=2, torch="t",
+                                load_average_at_start=[0.1, 0, 0], load_average_at_end=[0.2, 0, 0]),
+                   quick=False, repeats=3, warmup=1, backends=["cpp"], notes=[], units={},
+                   rows=[row], targets=[])
+        paths.append(tmp_path / f"run{t}.json")
+        paths[-1].write_text(json.dumps(run))
+    out, md = tmp_path / "merged.json", tmp_path / "merged.md"
+    bench.main(["--merge", *map(str, paths), "--out", str(out), "--md", str(md)])
+    merged = json.loads(out.read_text())
+    assert [r["threads"] for r in merged["rows"]] == [1, 2]
+    assert [t["met"] for t in merged["targets"]] == [True, True]
+    assert "0.10 -> 0.20, 0.10 -> 0.20" in md.read_text()
