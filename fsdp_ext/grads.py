@@ -108,6 +108,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
         accumulate = bucket.sync_param_grads_into_buffer()
         with torch.profiler.record_function(f"fsdp_ext::grad_epilogue[{unit.name or 'root'}]"):
             ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
+        result.clear()  # the packed buffer can go now, not when this closure is dropped
         for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):
             # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
             if slot.param.grad is None and not was_used and not view.any():

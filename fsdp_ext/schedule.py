@@ -24,7 +24,7 @@ DEFAULT_OPTIONS = dict(
     backward_prefetch=1,        # ... in backward
     backward_prefetch_at="pre",  # "pre": before the unit's backward compute; "post": after it
     limit_in_flight=True,       # bound transient unsharded units by max(depth) + 1
-    max_pending_reduce_scatters=2,
+    max_pending_reduce_scatters=1,  # each pending one holds a unit-sized packed gradient buffer
 )
 
 

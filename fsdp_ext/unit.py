@@ -315,10 +315,12 @@ class Unit:
         """Gradients of one backward use: reduce every trainable bucket, then free the unit."""
         end_range("backward", self)
         RECORDER.add("backward.end", self.name)
+        # Free the gathered parameters before the gradient path allocates its packed buffers:
+        # the gradients are computed, nothing reads the parameters again in this use.
+        self.reshard()
         grads = iter(grads)
         for i in self.grad_bucket_indices:
             reduce_bucket(self, i, [next(grads) for _ in self.buckets[i].slots])
-        self.reshard()
         self.use_sharded_params()
         self.schedule.prefetch_backward(self, "post")
 
