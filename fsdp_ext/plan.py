@@ -93,6 +93,7 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         param_bytes=_size(param_dtype, itemsize), reduce_bytes=_size(reduce_dtype or param_dtype,
                                                                      itemsize),
         state_bytes=itemsize, comm_hides=hides,
+        copy_bytes_per_s=plan_measure.copy_bytes_per_second() if device_type == "cpu" else 0.0,
         # gloo reduces with an in-place all-reduce unless the opt-in gloo_p2p path applies (comm.py)
         reduce_is_all_reduce=device_type == "cpu" and not (
             gloo_p2p.enabled() and world_size <= gloo_p2p.MAX_RANKS))

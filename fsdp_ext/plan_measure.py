@@ -125,6 +125,16 @@ def adamw_seconds_per_element(numel: int = 1 << 21, reps: int = 3) -> float:
     return (time.perf_counter() - t0) / reps / numel
 
 
+def copy_bytes_per_second(numel: int = 1 << 23, reps: int = 5) -> float:
+    """Bytes per second of a large fp32 copy_ on this machine (read + write counted once each)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    return 2 * numel * 4 * reps / (time.perf_counter() - t0)
+
+
 def measure_link(group=None, sizes=(1 << 16, 1 << 20, 1 << 23), reps: int = 3) -> Link:
     """Fit alpha and bandwidth to the runtime's all-gathers of fp32 buffers over `group` (every
     rank of it calls this)."""

@@ -5,8 +5,9 @@ Memory per rank (bytes): sharded parameters, gradients and optimizer state (Adam
 tensors per parameter), activations (measured: what autograd saves for backward in one forward of
 `loss_fn`, or `activation_bytes`), gathered units in flight (the root plus depth + 1 units under
 FULL_SHARD; every unit under SHARD_GRAD_OP) and the gradient path's buffers (a unit's gradients
-and up to three packed copies in flight). The peak is the largest of: the end of forward, each unit
-of backward (activations freed and gradient shards created as it goes), the optimizer step.
+and its packed copy, plus the pending reduce-scatters' packed copies). The peak is the largest of:
+the end of forward, each unit's backward and post-backward (activations freed and gradient shards
+created as backward goes), the optimizer step.
 
 Step time: measured forward + backward of `loss_fn` on this machine (or flops / flop rate), the
 optimizer on the local shard, and the communication of an alpha-beta ring model (comm_model.py).
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
 from .flat_param import ALIGN
 from .plan_measure import UnitSpec
+from .schedule import DEFAULT_OPTIONS
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-MAX_PENDING_REDUCE_SCATTERS = 2  # schedule.DEFAULT_OPTIONS
+MAX_PENDING_REDUCE_SCATTERS = DEFAULT_OPTIONS["max_pending_reduce_scatters"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class PlanInputs:
     optimizer_states: int = 2        # AdamW: exp_avg, exp_avg_sq (fp32)
     reduce_is_all_reduce: bool = False  # gloo: the runtime all-reduces in place
     comm_hides: bool = True          # False where communication competes for the compute cores
+    copy_bytes_per_s: float = 0.0    # CPU: the copies around each collective cost compute time
     grads_set_to_none: bool = True   # zero_grad(set_to_none=True): gradient shards freed
 
     def shards(self, strategy: str) -> int:
@@ -89,26 +92,47 @@ def estimate_memory(m: PlanInputs, s: Setting) -> dict:
     params = sum(local.values()) * m.state_bytes
     optimizer = sum(u.numel for u in m.units) // shards * 4 * m.optimizer_states + 4 * sum(
         len(u.numels) for u in m.units)
-    biggest = max((full[id(u)] for u in blocks), default=0)
+    biggest = max((full[id(u)] for u in blocks), default=0) * m.param_bytes
     root_full = full[id(root)] * m.param_bytes if root else 0
-    if s.strategy in ("FULL_SHARD", "HYBRID_SHARD"):
-        gathered = root_full + min(s.prefetch + 1, len(blocks)) * biggest * m.param_bytes
+    freed_between_uses = s.strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    if freed_between_uses:
+        gathered = root_full + min(s.prefetch + 1, len(blocks)) * biggest
     else:  # kept gathered from forward to backward
         gathered = sum(full.values()) * m.param_bytes
     activations = sum(u.activation_bytes for u in m.units)
     static = params + optimizer
     grads_all = params
+    pending = MAX_PENDING_REDUCE_SCATTERS
     phases = {"end of forward": static + gathered + activations
               + (0 if m.grads_set_to_none else grads_all)}
+    order = list(reversed(blocks))  # backward order
     remaining = activations - (root.activation_bytes if root else 0)
-    for k, unit in enumerate(reversed(blocks), start=1):
-        done = max(0, k - MAX_PENDING_REDUCE_SCATTERS)
+    for k, unit in enumerate(order, start=1):
+        left = len(order) - k  # units still to run backward after this one
+        if freed_between_uses:  # this unit plus up to `prefetch` gathered ahead
+            during = root_full + min(1 + s.prefetch, left + 1) * biggest
+            after = root_full + min(s.prefetch, left) * biggest
+        else:  # everything not yet through backward stays gathered
+            after = root_full + sum(full[id(u)] for u in order[k:]) * m.param_bytes
+            during = after + full[id(unit)] * m.param_bytes
+        # While the unit's backward computes: the gradient shards of the units whose
+        # reduce-scatter finished, the packed buffers still in flight, its activations.
+        shards_done = order[:max(0, k - 1 - pending)]
         grads = grads_all if not m.grads_set_to_none else sum(
-            local[id(u)] for u in list(reversed(blocks))[:done]) * m.state_bytes
-        transient = full[id(unit)] * (m.param_bytes + min(k, MAX_PENDING_REDUCE_SCATTERS + 1)
-                                      * m.reduce_bytes)
-        phases[f"backward of {unit.name}"] = static + grads + remaining + gathered + transient
+            local[id(u)] for u in shards_done) * m.state_bytes
+        in_flight = min(k - 1, pending) * full[id(unit)] * m.reduce_bytes
+        own_grads = full[id(unit)] * m.param_bytes  # autograd holds them until post-backward
+        phases[f"backward of {unit.name}"] = (
+            static + grads + remaining + during + in_flight + own_grads)
         remaining -= unit.activation_bytes
+        # Its post-backward: the unit is freed first, then its gradients (as autograd made them)
+        # are packed and one more reduce-scatter finishes, creating that unit's gradient shard.
+        shards_done = order[:max(0, k - pending)]
+        grads = grads_all if not m.grads_set_to_none else sum(
+            local[id(u)] for u in shards_done) * m.state_bytes
+        packed = min(k, pending + 1) * full[id(unit)] * m.reduce_bytes
+        phases[f"post-backward of {unit.name}"] = (
+            static + grads + remaining + after + full[id(unit)] * m.param_bytes + packed)
     phases["optimizer step"] = static + grads_all
     peak_phase = max(phases, key=phases.get)
     return dict(params=params, grads=grads_all, optimizer=optimizer, activations=activations,
@@ -123,8 +147,8 @@ def estimate_time(m: PlanInputs, s: Setting) -> dict:
     for i, u in enumerate(m.units):
         full = padded_numel(u, shards)
         ag = all_gather_s(full * m.param_bytes, shards, m.link) if s.strategy != "NO_SHARD" else 0.0
-        regather = s.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not u.is_root and (
-            u is not blocks[-1])  # the last unit to run forward stays gathered for backward
+        regather = s.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not u.is_root and bool(
+            blocks) and u is not blocks[-1]
         reduce_fn = all_reduce_s if m.reduce_is_all_reduce else reduce_scatter_s
         red = reduce_fn(full * m.reduce_bytes, shards, m.link) if shards > 1 else 0.0
         if m.world_size > shards:  # replicas all-reduce the (shard of the) gradient
@@ -143,8 +167,27 @@ def estimate_time(m: PlanInputs, s: Setting) -> dict:
             max(0.0, c - m.compute_s * u.numel / total) for u, c in comm_per_unit)
         exposed = min(exposed, comm)
     optimizer = m.adamw_s_per_element * total / shards
+    copies = _copy_seconds(m, s, shards, blocks)
     return dict(compute=m.compute_s, optimizer=optimizer, comm=comm, exposed_comm=exposed,
-                step=m.compute_s + optimizer + exposed)
+                copies=copies, step=m.compute_s + optimizer + exposed + copies)
+
+
+def _copy_seconds(m: PlanInputs, s: Setting, shards: int, blocks: list[UnitSpec]) -> float:
+    """Bytes the runtime reads and writes around its collectives, at the measured copy rate (CPU
+    only; on GPUs these kernels are short and overlap on their streams): per gather the shard
+    into its slot and the gathered unit out of gloo's buffer, per reduction the pack and the
+    epilogue."""
+    if not m.copy_bytes_per_s:
+        return 0.0
+    moved = 0
+    for u in m.units:
+        full = padded_numel(u, shards)
+        gathers = 2 if (s.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not u.is_root
+                        and blocks and u is not blocks[-1]) else 1
+        if s.strategy != "NO_SHARD":
+            moved += gathers * 2 * (full // shards + full) * m.param_bytes
+        moved += 2 * full * m.reduce_bytes + 3 * full // shards * m.reduce_bytes
+    return moved / m.copy_bytes_per_s
 
 
 @dataclass
