@@ -90,8 +90,9 @@ def _load_libraries(device: torch.device) -> None:
     dist.barrier()
 
 
-def run_alone(name: str, cfg, device, args, steps: int) -> dict:
-    """Build and train one framework with nothing else alive: this rank's memory and times."""
+def run_alone(name: str, cfg, device, args, timed_steps: int) -> dict:
+    """Build and train one framework with nothing else alive: this rank's memory, then (outside
+    the profiler that counts tensor bytes, which slows small ops) `timed_steps` timed steps."""
     _load_libraries(device)
     have_reset = rss.reset_peak()
     base = rss.current_bytes()
@@ -100,9 +101,10 @@ def run_alone(name: str, cfg, device, args, steps: int) -> dict:
         init_peak = rss.peak_bytes() - base
         rss.reset_peak()  # the training window starts here; the model stays
         with tensors.window():
-            samples = [trainer.step() for _ in range(args.warmup + steps)][args.warmup:]
+            samples = [trainer.step() for _ in range(args.warmup + args.memory_steps)]
         train_peak = rss.peak_bytes() - base
     tensor_peak, tensor_init_peak = tensors.peak_bytes()
+    samples = [trainer.step() for _ in range(timed_steps)] or samples[args.warmup:]
     out = dict(times=[s[0] for s in samples], cpu=[s[1] for s in samples], loss=samples[-1][2],
                base_rss=base, init_peak=init_peak, train_peak=train_peak,
                tensor_peak=tensor_peak, tensor_init_peak=tensor_init_peak,
@@ -156,8 +158,7 @@ def memory_worker(rank: int, world_size: int, port: int, args, name: str, path: 
     heap, one-time allocations) can lower or raise its peak."""
     rss.track_live_memory()
     device, cfg = _setup(rank, world_size, port, args)
-    steps = args.steps if args.timing == "sequential" else args.memory_steps
-    mine = run_alone(name, cfg, device, args, steps)
+    mine = run_alone(name, cfg, device, args, args.steps if args.timing == "sequential" else 0)
     ranks = [None] * world_size
     dist.all_gather_object(ranks, mine)
     times = _slowest(mine["times"])
@@ -259,7 +260,7 @@ def main() -> None:
                    help="interleaved: all frameworks alive, one step each in turn (default); "
                         "sequential: time the memory phase's runs (for models too big to co-exist)")
     p.add_argument("--memory-steps", type=int, default=2,
-                   help="steps of the memory phase (each framework alone), when interleaved")
+                   help="steps of the memory phase (each framework alone, after --warmup)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--prefetch", type=int, default=1, help="fsdp_ext prefetch depth")
     p.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=FRAMEWORKS)
