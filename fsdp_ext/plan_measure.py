@@ -102,9 +102,11 @@ def measure_activations(model: nn.Module, specs: list[UnitSpec], run_forward) ->
     return sum(nbytes for _, nbytes in seen.values())
 
 
-def measure_compute(run_step, reps: int = 2) -> float:
-    """Median seconds of forward + backward (`run_step`), after one warm-up call."""
-    run_step()
+def measure_compute(run_step, reps: int = 3, warmup: int = 2) -> float:
+    """Median seconds of forward + backward (`run_step`), after `warmup` calls (the first ones
+    pay one-time costs: lazy initialisation, first-touch page faults)."""
+    for _ in range(warmup):
+        run_step()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -135,12 +137,18 @@ def copy_bytes_per_second(numel: int = 1 << 23, reps: int = 5) -> float:
     return 2 * numel * 4 * reps / (time.perf_counter() - t0)
 
 
-def measure_link(group=None, sizes=(1 << 16, 1 << 20, 1 << 23), reps: int = 3) -> Link:
+def measure_link(group=None, sizes=(1 << 16, 1 << 20, 1 << 23), reps: int = 5) -> Link:
     """Fit alpha and bandwidth to the runtime's all-gathers of fp32 buffers over `group` (every
-    rank of it calls this)."""
+    rank of it calls this). A fresh process group's first collectives set up its connections and
+    buffers, so a few large ones run first, untimed."""
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    numel = max(sizes) // 4 // world * world
+    out = torch.empty(numel)
+    for _ in range(3):
+        all_gather_into(out, out.narrow(0, rank * (numel // world), numel // world), group,
+                        async_op=False)
     samples = []
     for full_bytes in sizes:
         numel = full_bytes // 4 // world * world
