@@ -84,6 +84,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     checker = unit.schedule.checker
     checker.check(groups.shard, "reduce_scatter", unit.name, index, bucket.numel_padded, reduce_dtype)
     checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel, reduce_dtype)
+    unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
     with torch.profiler.record_function(f"fsdp_ext::reduce_scatter[{unit.name or 'root'}]"):
         pending = unit.schedule.streams.launch(
