@@ -47,9 +47,12 @@ inline std::string indexed_name(const char* list_name, size_t index) {
   return std::string(list_name) + "[" + std::to_string(index) + "]";
 }
 
+// The list checks below take any list type with size() and operator[] giving a const at::Tensor&:
+// at::TensorList, or a view of a boxed Tensor[] argument (no copies, so no refcount traffic).
+
 // The tensors' flat ranges [offset, offset + numel) must not overlap; empty ranges never do.
-inline void check_disjoint(at::TensorList tensors, at::IntArrayRef offsets,
-                           const char* list_name) {
+template <class List>
+void check_disjoint(const List& tensors, at::IntArrayRef offsets, const char* list_name) {
   std::vector<std::tuple<int64_t, int64_t, size_t>> ranges;  // (start, end, index)
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].numel() > 0) {
@@ -64,23 +67,48 @@ inline void check_disjoint(at::TensorList tensors, at::IntArrayRef offsets,
   }
 }
 
-// Checks shared by pack (the list is srcs) and unpack (the list is outs).
-inline void check_tensor_list(at::TensorList tensors, at::IntArrayRef offsets,
-                              const char* list_name, const c10::Device& device) {
+// Raises the error for list element i, which failed the combined test in check_tensor_list: the
+// checks one by one, each naming the element. Out of line, so the loop that calls it stays tight.
+template <class List>
+C10_NOINLINE void raise_bad_element(const List& tensors, at::IntArrayRef offsets, size_t i,
+                                    const char* list_name, const c10::Device& device) {
+  const std::string name = indexed_name(list_name, i);
+  CHECK_TENSOR(tensors[i], name, device);
+  CHECK_NON_NEGATIVE(offsets[i], indexed_name("offsets", i));
+  CHECK_END_FITS(offsets[i], tensors[i].numel(), indexed_name("offsets", i));
+}
+
+// Checks shared by pack (the list is srcs) and unpack (the list is outs). One pass reads each
+// tensor's fields once; names are built only on failure. When the non-empty ranges already come
+// in increasing flat order (the usual layout) that pass also proves them disjoint; otherwise they
+// are sorted and checked pairwise.
+template <class List>
+void check_tensor_list(const List& tensors, at::IntArrayRef offsets, const char* list_name,
+                       const c10::Device& device) {
   FSDP_EXT_CHECK(tensors.size() == offsets.size(), list_name, " has ", tensors.size(),
                  " tensors but offsets has ", offsets.size());
+  bool in_flat_order = true;
+  int64_t previous_end = 0;  // end of the last non-empty range seen
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string name = indexed_name(list_name, i);
-    CHECK_TENSOR(tensors[i], name, device);
-    CHECK_NON_NEGATIVE(offsets[i], indexed_name("offsets", i));
-    CHECK_END_FITS(offsets[i], tensors[i].numel(), indexed_name("offsets", i));
+    const at::TensorImpl* t = tensors[i].unsafeGetTensorImpl();
+    const int64_t offset = offsets[i];
+    const int64_t numel = t->numel();
+    const bool ok = is_float_dtype(t->dtype().toScalarType()) && t->device() == device &&
+                    t->is_contiguous() && offset >= 0 &&
+                    offset <= std::numeric_limits<int64_t>::max() - numel;
+    if (!ok) raise_bad_element(tensors, offsets, i, list_name, device);
+    if (numel > 0) {
+      in_flat_order = in_flat_order && offset >= previous_end;
+      previous_end = offset + numel;
+    }
   }
-  check_disjoint(tensors, offsets, list_name);
+  if (!in_flat_order) check_disjoint(tensors, offsets, list_name);
 }
 
 // srcs: list of tensors of any shape; out: [window numel], the window starts at out_offset.
-inline void check_pack_args(at::TensorList srcs, at::IntArrayRef offsets,
-                            const at::Tensor& out, int64_t out_offset) {
+template <class List>
+void check_pack_args(const List& srcs, at::IntArrayRef offsets, const at::Tensor& out,
+                     int64_t out_offset) {
   CHECK_TENSOR(out, "out", out.device());
   CHECK_1D(out, "out");
   CHECK_NON_NEGATIVE(out_offset, "out_offset");
@@ -89,8 +117,9 @@ inline void check_pack_args(at::TensorList srcs, at::IntArrayRef offsets,
 }
 
 // src: [window numel], the window starts at src_offset; outs: list of tensors of any shape.
-inline void check_unpack_args(const at::Tensor& src, int64_t src_offset, at::IntArrayRef offsets,
-                              at::TensorList outs) {
+template <class List>
+void check_unpack_args(const at::Tensor& src, int64_t src_offset, at::IntArrayRef offsets,
+                       const List& outs) {
   CHECK_TENSOR(src, "src", src.device());
   CHECK_1D(src, "src");
   CHECK_NON_NEGATIVE(src_offset, "src_offset");

@@ -30,42 +30,71 @@ struct FlatRun {
 };
 
 // Runs for `tensors` (tensor i at flat offsets[i]) inside the window [window_begin, window_begin +
-// window_numel). With fill_gaps the runs tile the whole window, gaps becoming kZeroFill runs.
-// Arguments must have passed checks.h (disjoint ranges, no overflow).
-inline std::vector<FlatRun> plan_runs(at::TensorList tensors,
-                                      at::IntArrayRef offsets, int64_t window_begin,
-                                      int64_t window_numel, bool fill_gaps) {
+// window_numel), written into `runs` (its old contents are dropped; callers may reuse it to avoid an
+// allocation per call). With fill_gaps the runs tile the whole window, gaps becoming kZeroFill
+// runs. write_tensors says whether the kernel writes the tensors (unpack) or only reads them
+// (pack: read-only data pointers, so a copy-on-write input is not materialized). `List` is any
+// list with size() and operator[] giving a const at::Tensor& (see checks.h). Arguments must have
+// passed checks.h (disjoint ranges, no overflow).
+template <class List>
+void plan_runs_into(std::vector<FlatRun>& runs, const List& tensors, at::IntArrayRef offsets,
+                    int64_t window_begin, int64_t window_numel, bool fill_gaps,
+                    bool write_tensors) {
   const int64_t window_end = window_begin + window_numel;
-  std::vector<FlatRun> covered;
-  covered.reserve(tensors.size());
+  runs.clear();
+  runs.reserve(fill_gaps ? 2 * tensors.size() + 1 : tensors.size());
+  bool sorted = true;
+  int64_t position = 0;  // with fill_gaps: everything before it is planned (while sorted)
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const FlatSpan span =
-        clip_to_window(offsets[i], tensors[i].numel(), window_begin, window_end);
+    const at::TensorImpl* t = tensors[i].unsafeGetTensorImpl();
+    const FlatSpan span = clip_to_window(offsets[i], t->numel(), window_begin, window_end);
     if (span.empty()) continue;
-    const int64_t code = dtype_code(tensors[i].scalar_type());
-    char* first = static_cast<char*>(tensors[i].data_ptr()) +
+    const int64_t code = dtype_code(t->dtype().toScalarType());
+    const void* data = write_tensors ? tensors[i].mutable_data_ptr() : tensors[i].const_data_ptr();
+    char* first = static_cast<char*>(const_cast<void*>(data)) +
                   (span.begin - offsets[i]) * element_size(code);
-    covered.push_back({span.begin - window_begin, span.size(), first, code});
-  }
-  std::sort(covered.begin(), covered.end(), [](const FlatRun& a, const FlatRun& b) {
-    return a.window_begin < b.window_begin;
-  });
-  if (!fill_gaps) return covered;
-
-  std::vector<FlatRun> tiled;
-  tiled.reserve(2 * covered.size() + 1);
-  int64_t position = 0;  // everything before it is planned
-  for (const FlatRun& run : covered) {
-    if (run.window_begin > position) {
-      tiled.push_back({position, run.window_begin - position, nullptr, kZeroFill});
+    const int64_t begin = span.begin - window_begin;
+    // Runs are disjoint, so increasing starts mean the gaps can be planned in this same pass.
+    sorted = sorted && (runs.empty() || begin > runs.back().window_begin);
+    if (fill_gaps && sorted && begin > position) {
+      runs.push_back({position, begin - position, nullptr, kZeroFill});
     }
-    tiled.push_back(run);
-    position = run.window_begin + run.length;
+    runs.push_back({begin, span.size(), first, code});
+    position = begin + span.size();
   }
-  if (window_numel > position) {
-    tiled.push_back({position, window_numel - position, nullptr, kZeroFill});
+  if (!sorted) {
+    // Offsets out of flat order: sort the covered runs, then plan the gaps between them.
+    runs.erase(std::remove_if(runs.begin(), runs.end(),
+                              [](const FlatRun& run) { return run.tensor_dtype == kZeroFill; }),
+               runs.end());
+    std::sort(runs.begin(), runs.end(), [](const FlatRun& a, const FlatRun& b) {
+      return a.window_begin < b.window_begin;
+    });
+    if (!fill_gaps) return;
+    std::vector<FlatRun> covered;
+    covered.swap(runs);
+    position = 0;
+    for (const FlatRun& run : covered) {
+      if (run.window_begin > position) {
+        runs.push_back({position, run.window_begin - position, nullptr, kZeroFill});
+      }
+      runs.push_back(run);
+      position = run.window_begin + run.length;
+    }
   }
-  return tiled;
+  if (fill_gaps && window_numel > position) {
+    runs.push_back({position, window_numel - position, nullptr, kZeroFill});
+  }
+}
+
+// The same, returning a new vector; pack reads its tensors (fill_gaps), unpack writes them.
+template <class List>
+std::vector<FlatRun> plan_runs(const List& tensors, at::IntArrayRef offsets, int64_t window_begin,
+                               int64_t window_numel, bool fill_gaps) {
+  std::vector<FlatRun> runs;
+  plan_runs_into(runs, tensors, offsets, window_begin, window_numel, fill_gaps,
+                 /*write_tensors=*/!fill_gaps);
+  return runs;
 }
 
 // work_begins[i] = total length of runs before run i: where run i starts in the pieces of work.

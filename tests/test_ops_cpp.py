@@ -152,12 +152,89 @@ def test_thousand_tiny_tensors():
 
 
 def test_large_tensors_split_across_threads():
-    # 4 MB of fp32, with the window clipping both ends; then every op above the parallel grain.
+    # Every op above the parallel grain (32 MiB moved: 4-6M elements for these dtype pairs), the
+    # pack window clipping both ends; then 4 MB of fp32 (below the grain: one thread).
+    big = 6 << 20
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # also where the machine has one core
+    try:
+        _large_cases(big)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _large_cases(big):
+    check_pack([(big,), (1 << 16,)], [torch.float32], torch.bfloat16, 1.0, (1000, big + 5))
+    check_pack([(big,)], [torch.float32], torch.float32, 1.0, None)  # memcpy path
+    check_unpack([(big,)], torch.bfloat16, [torch.float32], (3, big))
+    check_cast_into_slot((big + 3,), torch.float32, torch.float16, 2, 1)
+    check_grad_epilogue(((4 << 20) + 1,), torch.bfloat16, torch.float32, 0.37, True)
     check_pack([(1 << 20,), (1 << 16,)], [torch.float32], torch.bfloat16, 1.0, (1000, (1 << 20) + 5))
-    check_pack([(1 << 18,)], [torch.float32], torch.float32, 1.0, None)  # memcpy path
-    check_unpack([(1 << 18,)], torch.bfloat16, [torch.float32], (3, 1 << 18))
-    check_cast_into_slot(((1 << 16) + 3,), torch.float32, torch.float16, 2, 1)
-    check_grad_epilogue(((1 << 16) + 1,), torch.bfloat16, torch.float32, 0.37, True)
+
+
+def test_copy_sizes_around_the_vector_paths():
+    # Same-dtype copies: under 32 bytes (memcpy), 32 bytes and up (vector moves, 128-byte steps
+    # and an overlapping last move), 1 MiB and up (memcpy again); each at every alignment of the
+    # destination against the source (the random gaps shift the flat offsets).
+    numels = [1, 7, 8, 9, 31, 32, 33, 40, 63, 64, 65, 1000, 4097, (1 << 18) + 3]
+    for dtype in (torch.float32, torch.bfloat16):
+        for seed in range(2):
+            shapes = [(n,) for n in numels]
+            check_pack(shapes, [dtype], dtype, 1.0, None, seed=seed)
+            check_unpack(shapes, dtype, [dtype], None, seed=seed)
+
+
+def test_errors_name_the_tensor_deep_in_a_long_list():
+    srcs = [_t(3) for _ in range(1000)]
+    offsets = [3 * i for i in range(1000)]
+    out = _t(3000)
+    bad_tensors = [(737, _t(3, 2).t()), (999, _t(3, dtype=torch.int32)), (500, _t(3, device="meta"))]
+    for i, bad in bad_tensors:
+        with pytest.raises(ValueError, match=re.escape(f"srcs[{i}]")):
+            ops.pack(srcs[:i] + [bad] + srcs[i + 1:], offsets, out, backend="cpp")
+    with pytest.raises(ValueError, match=re.escape("offsets[998]: must be >= 0")):
+        ops.pack(srcs, offsets[:998] + [-3] + offsets[999:], out, backend="cpp")
+    # In list order up to one tensor that overlaps its predecessor.
+    with pytest.raises(ValueError, match=re.escape("srcs[401] overlaps srcs[400]")):
+        ops.pack(srcs, offsets[:401] + [offsets[400] + 2] + offsets[402:], out, backend="cpp")
+    with pytest.raises(ValueError, match=re.escape("outs[0] overlaps outs[999]")):
+        ops.unpack(out, 0, [offsets[-1] + 1] + offsets[1:], srcs, backend="cpp")
+
+
+def test_offsets_and_lists_of_any_sequence_type():
+    srcs = [torch.arange(3.0), torch.arange(2.0) + 10]
+    expected = torch.tensor([10.0, 11.0, 0.0, 1.0, 2.0, 0.0])
+    for offsets in ([2, 0], (2, 0), iter([2, 0]), torch.tensor([2, 0]).tolist(), range(2, -1, -2)):
+        out = torch.full((6,), 5.0)
+        ops.pack(tuple(srcs), offsets, out, backend="cpp")
+        assert torch.equal(out, expected)
+    outs = [torch.empty(3), torch.empty(2)]
+    ops.unpack(expected, 0, (2, 0), iter(outs), backend="cpp")
+    assert torch.equal(outs[0], torch.arange(3.0)) and torch.equal(outs[1], srcs[1])
+
+
+def test_calls_from_many_python_threads():
+    # The kernels take the GIL once to hand their list arguments back to Python (see
+    # csrc/boxed_args.h); threads calling at once must neither deadlock nor mix up results.
+    import threading
+
+    errors = []
+
+    def work(seed):
+        try:
+            for k in range(30):
+                shapes = [(n,) for n in range(1, 60)]
+                check_pack(shapes, [torch.float32], torch.bfloat16, 0.5, None, seed=seed * 100 + k)
+                check_unpack(shapes, torch.float32, [torch.float16], None, seed=seed * 100 + k)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
 
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
@@ -242,10 +319,12 @@ def test_bad_arguments_are_named(case, backend):
         op(*make_args(), backend=backend)
 
 
-def test_gathered_must_be_flat():
-    # The reference slices dim 0, which is a flat slot only for a 1-D buffer; the kernel insists.
-    with pytest.raises(ValueError, match="gathered"):
-        ops.cast_into_slot(_t(2), _t(2, 4), 0, backend="cpp")
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_gathered_must_be_flat(backend):
+    # The reference slices dim 0, which is a flat slot only for a 1-D buffer; every backend insists
+    # (the torch backend's check is also the one Triton runs), with the same message.
+    with pytest.raises(ValueError, match=re.escape("gathered: must be 1-D")):
+        ops.cast_into_slot(_t(2), _t(2, 4), 0, backend=backend)
 
 
 def opcheck_samples(device="cpu"):

@@ -2,8 +2,15 @@
 //
 // One call handles any number of tensors: the host plan (flat_plan.h) lists the runs of the window,
 // and at::parallel_for splits the runs' total length into equal pieces, so the work is balanced by
-// elements moved rather than by tensor count. Same-dtype unscaled runs are memcpy; casts go through
-// the shared bit-exact conversions of flat_layout.h in plain loops the compiler vectorizes.
+// elements moved rather than by tensor count. Same-dtype unscaled runs are copied (vector moves,
+// or memcpy for large runs); casts go through the shared bit-exact conversions of flat_layout.h in
+// plain loops the compiler vectorizes.
+//
+// The unit of 1000 small tensors is where per-tensor costs show, so pack and unpack are boxed
+// kernels that read their list arguments in place (boxed_args.h), check and plan in one pass each
+// without allocating (scratch vectors reused per thread), and stay on the calling thread when the
+// work is too small to be worth waking other threads.
+#include "../boxed_args.h"  // first: includes Python.h
 #include "../checks.h"
 #include "../flat_layout.h"
 #include "../flat_plan.h"
@@ -16,11 +23,76 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace fsdp_ext {
 namespace {
 
 // Below this many elements per task, starting a thread costs more than the copy it would take over.
 constexpr int64_t kGrainElements = 1 << 15;
+
+// Nor is a task worth a thread below this many bytes moved (read + written): about a millisecond of
+// one core's copying. Waking a pool thread costs microseconds on an idle machine, but on a busy one
+// the caller can wait a whole scheduler slice (milliseconds) for it, and the copies are bound by
+// memory bandwidth that a second core barely adds to.
+constexpr int64_t kGrainBytes = int64_t{32} << 20;
+
+// Grain (elements per task) for at::parallel_for over elements that move `bytes_per_element` each.
+int64_t grain_for(int64_t bytes_per_element) {
+  return std::max(kGrainElements, kGrainBytes / std::max<int64_t>(bytes_per_element, 1));
+}
+
+// Same-dtype runs shorter than this are copied with explicit unaligned vector moves rather than
+// memcpy: for a destination misaligned against its source (any odd offset in a flat buffer), glibc
+// picks `rep movsb` for copies of a few KiB and up, which AMD Zen cores run up to 10x slower than
+// vector moves (measured here: 4 KiB to 64 KiB pieces). Longer copies keep memcpy, whose large-size
+// paths (non-temporal stores) are the fastest there.
+constexpr int64_t kVectorCopyMaxBytes = int64_t{1} << 20;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) void copy_bytes_avx2(const char* in, char* out, int64_t bytes) {
+  // bytes >= 32. Four 32-byte moves per step, then single ones, then the last 32 bytes (which may
+  // overlap the previous store: same values, as source and destination do not partially overlap).
+  int64_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 96));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 32), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 64), c);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 96), d);
+  }
+  for (; i + 32 <= bytes; i += 32) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+  }
+  if (i < bytes) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + bytes - 32),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + bytes - 32)));
+  }
+}
+
+bool have_avx2() {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+}
+#endif
+
+// A same-dtype copy of `bytes` bytes; source and destination are equal or do not overlap.
+void copy_bytes(const void* src, void* dst, int64_t bytes) {
+  if (src == dst || bytes <= 0) return;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (bytes >= 32 && bytes < kVectorCopyMaxBytes && have_avx2()) {
+    copy_bytes_avx2(static_cast<const char*>(src), static_cast<char*>(dst), bytes);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 // The fp32->fp16 rounding shifts each lane by its own amount, which x86 vectorizes only from AVX2
 // on: build the element loops for AVX2 and for the baseline, chosen once at load time (ifunc).
@@ -51,7 +123,7 @@ void convert_span(const void* src, void* dst, int64_t n, float scale, bool scale
   auto* out = static_cast<typename Dst::storage*>(dst);
   if constexpr (std::is_same_v<Src, Dst>) {
     if (!scaled) {
-      if (in != out) std::memcpy(out, in, n * sizeof(*out));
+      copy_bytes(in, out, n * static_cast<int64_t>(sizeof(*out)));
       return;
     }
   }
@@ -72,13 +144,21 @@ void convert(int64_t src_code, const void* src, int64_t dst_code, void* dst, int
   });
 }
 
-// Calls piece(run, offset_in_run, count) over all runs, in parallel pieces of equal length.
+// Calls piece(run, offset_in_run, count) over all runs, in parallel pieces of equal length (on the
+// calling thread alone when the work is small; see kGrainBytes).
 template <class Piece>
-void for_each_piece(const std::vector<FlatRun>& runs, const Piece& piece) {
+void for_each_piece(const std::vector<FlatRun>& runs, int64_t bytes_per_element,
+                    const Piece& piece) {
   if (runs.empty()) return;
+  int64_t total = 0;
+  for (const FlatRun& run : runs) total += run.length;
+  const int64_t grain = grain_for(bytes_per_element);
+  if (total <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    for (const FlatRun& run : runs) piece(run, 0, run.length);
+    return;
+  }
   const std::vector<int64_t> begins = work_begins(runs);
-  const int64_t total = begins.back() + runs.back().length;
-  at::parallel_for(0, total, kGrainElements, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     int64_t r = find_segment(begins.data(), static_cast<int64_t>(begins.size()), begin);
     while (begin < end) {
       const int64_t run_end = begins[r] + runs[r].length;
@@ -90,16 +170,42 @@ void for_each_piece(const std::vector<FlatRun>& runs, const Piece& piece) {
   });
 }
 
+// Per-thread scratch for the run table and the offsets, so a call allocates nothing once warm.
+// Very large tables are not kept between calls.
+struct Scratch {
+  std::vector<FlatRun> runs;
+  std::vector<int64_t> offsets;
+  void trim() {
+    constexpr size_t kKeep = size_t{1} << 16;
+    if (runs.capacity() > 2 * kKeep + 1) std::vector<FlatRun>().swap(runs);
+    if (offsets.capacity() > kKeep) std::vector<int64_t>().swap(offsets);
+  }
+};
+
+Scratch& scratch() {
+  thread_local Scratch instance;
+  return instance;
+}
+
+// Bytes read + written per element for a (source, destination) dtype pair.
+int64_t bytes_moved(int64_t src_code, int64_t dst_code) {
+  return element_size(src_code) + element_size(dst_code);
+}
+
 // srcs: list of tensors (any shapes); out: [window numel], window at out_offset of the flat space.
-void pack_cpu(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& out,
-              int64_t out_offset, double scale) {
+template <class List>
+void pack_impl(const List& srcs, at::IntArrayRef offsets, const at::Tensor& out,
+               int64_t out_offset, double scale, std::vector<FlatRun>& runs) {
   check_pack_args(srcs, offsets, out, out_offset);
-  const std::vector<FlatRun> runs = plan_runs(srcs, offsets, out_offset, out.numel(), true);
+  plan_runs_into(runs, srcs, offsets, out_offset, out.numel(), /*fill_gaps=*/true,
+                 /*write_tensors=*/false);
   const int64_t out_code = dtype_code(out.scalar_type());
-  char* out_data = static_cast<char*>(out.data_ptr());
+  char* out_data = static_cast<char*>(out.mutable_data_ptr());
   const float scale_f = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
-  for_each_piece(runs, [&](const FlatRun& run, int64_t offset, int64_t count) {
+  // Sources may mix dtypes: the grain counts them all as fp32, the widest.
+  for_each_piece(runs, bytes_moved(kFloat32, out_code),
+                 [&](const FlatRun& run, int64_t offset, int64_t count) {
     char* dst = out_data + (run.window_begin + offset) * element_size(out_code);
     if (run.tensor_dtype == kZeroFill) {
       std::memset(dst, 0, count * element_size(out_code));  // +0.0 is all-zero bits in every dtype
@@ -111,17 +217,44 @@ void pack_cpu(at::TensorList srcs, at::IntArrayRef offsets, const at::Tensor& ou
 }
 
 // src: [window numel], window at src_offset of the flat space; outs: list of tensors (any shapes).
-void unpack_cpu(const at::Tensor& src, int64_t src_offset, at::IntArrayRef offsets,
-                at::TensorList outs) {
+template <class List>
+void unpack_impl(const at::Tensor& src, int64_t src_offset, at::IntArrayRef offsets,
+                 const List& outs, std::vector<FlatRun>& runs) {
   check_unpack_args(src, src_offset, offsets, outs);
-  const std::vector<FlatRun> runs = plan_runs(outs, offsets, src_offset, src.numel(), false);
+  plan_runs_into(runs, outs, offsets, src_offset, src.numel(), /*fill_gaps=*/false,
+                 /*write_tensors=*/true);
   const int64_t src_code = dtype_code(src.scalar_type());
-  const char* src_data = static_cast<const char*>(src.data_ptr());
-  for_each_piece(runs, [&](const FlatRun& run, int64_t offset, int64_t count) {
+  const char* src_data = static_cast<const char*>(src.const_data_ptr());
+  for_each_piece(runs, bytes_moved(src_code, kFloat32),
+                 [&](const FlatRun& run, int64_t offset, int64_t count) {
     const char* from = src_data + (run.window_begin + offset) * element_size(src_code);
     char* to = run.tensor_data + offset * element_size(run.tensor_dtype);
     convert(src_code, from, run.tensor_dtype, to, count, 1.0f, false);
   });
+}
+
+// Boxed entry points (see boxed_args.h). Stack: srcs, offsets, out, out_offset, scale.
+void pack_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  constexpr size_t kArgs = 5;
+  const c10::IValue* args = stack->data() + (stack->size() - kArgs);
+  const BoxedTensorList srcs{args[0].toListRef()};
+  Scratch& s = scratch();
+  pack_impl(srcs, boxed_int_list(args[1], s.offsets), args[2].toTensor(), args[3].toInt(),
+            args[4].toDouble(), s.runs);
+  s.trim();
+  drop_boxed_arguments(*stack, kArgs, srcs);
+}
+
+// Stack: src, src_offset, offsets, outs.
+void unpack_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  constexpr size_t kArgs = 4;
+  const c10::IValue* args = stack->data() + (stack->size() - kArgs);
+  const BoxedTensorList outs{args[3].toListRef()};
+  Scratch& s = scratch();
+  unpack_impl(args[0].toTensor(), args[1].toInt(), boxed_int_list(args[2], s.offsets), outs,
+              s.runs);
+  s.trim();
+  drop_boxed_arguments(*stack, kArgs, outs);
 }
 
 // shard: any shape, n elements; gathered: [>= (slot + 1) * n]; writes gathered[slot*n, (slot+1)*n).
@@ -130,9 +263,10 @@ void cast_into_slot_cpu(const at::Tensor& shard, const at::Tensor& gathered, int
   const int64_t n = shard.numel();
   const int64_t src_code = dtype_code(shard.scalar_type());
   const int64_t dst_code = dtype_code(gathered.scalar_type());
-  const char* src = static_cast<const char*>(shard.data_ptr());
-  char* dst = static_cast<char*>(gathered.data_ptr()) + slot * n * element_size(dst_code);
-  at::parallel_for(0, n, kGrainElements, [&](int64_t begin, int64_t end) {
+  const char* src = static_cast<const char*>(shard.const_data_ptr());
+  char* dst = static_cast<char*>(gathered.mutable_data_ptr()) + slot * n * element_size(dst_code);
+  const int64_t grain = grain_for(bytes_moved(src_code, dst_code));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     convert(src_code, src + begin * element_size(src_code), dst_code,
             dst + begin * element_size(dst_code), end - begin, 1.0f, false);
   });
@@ -155,11 +289,13 @@ void grad_epilogue_cpu(const at::Tensor& reduced, const at::Tensor& out, double 
   check_grad_epilogue_args(reduced, out);
   const int64_t src_code = dtype_code(reduced.scalar_type());
   const int64_t dst_code = dtype_code(out.scalar_type());
-  const char* in = static_cast<const char*>(reduced.data_ptr());
-  char* acc = static_cast<char*>(out.data_ptr());
+  const char* in = static_cast<const char*>(reduced.const_data_ptr());
+  char* acc = static_cast<char*>(out.mutable_data_ptr());
   const float scale_f = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
-  at::parallel_for(0, out.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+  // Reads reduced and out, writes out.
+  const int64_t grain = grain_for(bytes_moved(src_code, dst_code) + element_size(dst_code));
+  at::parallel_for(0, out.numel(), grain, [&](int64_t begin, int64_t end) {
     with_element_type(src_code, [&](auto src_type) {
       with_element_type(dst_code, [&](auto dst_type) {
         epilogue_span<decltype(src_type), decltype(dst_type)>(
@@ -173,8 +309,8 @@ void grad_epilogue_cpu(const at::Tensor& reduced, const at::Tensor& out, double 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fsdp_ext, CPU, m) {
-  m.impl("pack", &pack_cpu);
-  m.impl("unpack", &unpack_cpu);
+  m.impl("pack", torch::CppFunction::makeFromBoxedFunction<&pack_boxed>());
+  m.impl("unpack", torch::CppFunction::makeFromBoxedFunction<&unpack_boxed>());
   m.impl("cast_into_slot", &cast_into_slot_cpu);
   m.impl("grad_epilogue", &grad_epilogue_cpu);
 }

@@ -58,14 +58,22 @@ def _triton():
     return triton_kernels
 
 
+def _as_list(items: Sequence) -> list | tuple:
+    """Lists and tuples as they are (the dispatcher converts and type-checks each element, and
+    rejects what is not an int or a tensor); any other iterable as a list."""
+    return items if type(items) is list or type(items) is tuple else list(items)
+
+
 def pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
          out_offset: int = 0, scale: float = 1.0, backend: str | None = None) -> None:
     """Pack `srcs` into the flat window `out` (see reference.pack)."""
     backend = _resolve(backend, out.device)
-    srcs, offsets = list(srcs), [int(o) for o in offsets]
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.pack(srcs, offsets, out, int(out_offset), float(scale))
+        # No per-element work here: with 1000 tensors a Python loop costs as much as the copy.
+        torch.ops.fsdp_ext.pack.default(_as_list(srcs), _as_list(offsets), out, int(out_offset),
+                                        float(scale))
         return
+    srcs, offsets = list(srcs), [int(o) for o in offsets]
     checks.check_pack(srcs, offsets, out, out_offset)
     impl = _triton() if backend == "triton" else reference
     impl.pack(srcs, offsets, out, int(out_offset), float(scale))
@@ -75,10 +83,10 @@ def unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
            outs: Sequence[torch.Tensor], backend: str | None = None) -> None:
     """Copy the flat window `src` into the parts of `outs` it covers (see reference.unpack)."""
     backend = _resolve(backend, src.device)
-    outs, offsets = list(outs), [int(o) for o in offsets]
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.unpack(src, int(src_offset), offsets, outs)
+        torch.ops.fsdp_ext.unpack.default(src, int(src_offset), _as_list(offsets), _as_list(outs))
         return
+    outs, offsets = list(outs), [int(o) for o in offsets]
     checks.check_unpack(src, src_offset, offsets, outs)
     impl = _triton() if backend == "triton" else reference
     impl.unpack(src, int(src_offset), offsets, outs)
@@ -89,7 +97,7 @@ def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int,
     """gathered[slot*n:(slot+1)*n] = cast(shard) (see reference.cast_into_slot)."""
     backend = _resolve(backend, gathered.device)
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.cast_into_slot(shard, gathered, int(slot))
+        torch.ops.fsdp_ext.cast_into_slot.default(shard, gathered, int(slot))
         return
     checks.check_cast_into_slot(shard, gathered, slot)
     impl = _triton() if backend == "triton" else reference
@@ -101,7 +109,7 @@ def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
     """out = cast((out if accumulate else 0) + reduced * scale) (see reference.grad_epilogue)."""
     backend = _resolve(backend, out.device)
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.grad_epilogue(reduced, out, float(scale), bool(accumulate))
+        torch.ops.fsdp_ext.grad_epilogue.default(reduced, out, float(scale), bool(accumulate))
         return
     checks.check_grad_epilogue(reduced, out)
     impl = _triton() if backend == "triton" else reference

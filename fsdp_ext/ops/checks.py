@@ -59,6 +59,8 @@ def check_unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
 def check_cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> None:
     _check_tensor(shard, "shard", gathered.device)
     _check_tensor(gathered, "gathered", gathered.device)
+    # The reference slices gathered[slot*n:(slot+1)*n] along dim 0, a flat slot only in 1-D.
+    _check(gathered.dim() == 1, "gathered: must be 1-D")
     _check(slot >= 0, "slot: must be >= 0")
     _check((slot + 1) * shard.numel() <= gathered.numel(),
            f"gathered: {gathered.numel()} elements cannot hold slot {slot} of {shard.numel()}")
