@@ -7,11 +7,13 @@ useful; torch, the reference), the best plain-torch ways to do the same work, an
 `dst.copy_(src)` on one tensor of the same dtype pair and element count, the memory-bandwidth limit.
 
 Reports the median of --repeats samples after warm-up (the samples of all implementations of a case
-interleaved), GB/s (bytes read + written), the fraction of the same-run copy_ bandwidth, and the
-speedup over `torch._foreach_copy_` (or its closest foreach equivalent). Prints a markdown table;
-writes JSON (--out) and optionally the table (--md).
+interleaved; each sample starts from warm caches, an untimed call first, or with --cold from caches
+evicted before each single timed call), GB/s (bytes read + written), the fraction of the same-run
+copy_ bandwidth, and the speedup over `torch._foreach_copy_` (or its closest foreach equivalent).
+Prints a markdown table; writes JSON (--out) and optionally the table (--md).
 
     python benchmarks/bench_kernels.py --threads 1 2
+    python benchmarks/bench_kernels.py --threads 1 --cold          # the data comes from memory
     python benchmarks/bench_kernels.py --quick --backends torch   # smoke run, a few seconds
 """
 from __future__ import annotations
@@ -153,16 +155,27 @@ def candidates(case: Case, shapes, device, backends):
 
 class Timer:
     """Times one zero-argument callable. Fast calls are batched so that one sample lasts at least
-    `min_sample_s` (timer and scheduler noise would dominate a few-microsecond sample)."""
+    `min_sample_s` (timer and scheduler noise would dominate a few-microsecond sample).
 
-    def __init__(self, fn, device: torch.device, warmup: int, min_sample_s: float = 2e-3):
+    Every sample starts from the same cache state for every implementation, whatever its number of
+    calls: by default one untimed call right before the sample (warm: the unit's data is in cache,
+    as far as it fits, as after the implementation's own previous call); with `evict`, a write of
+    that many bytes before each single timed call (cold: the data comes from memory). Without
+    either, a sample's first call would find the caches as the previous implementation left them,
+    and how much that weighs would depend on how many calls the sample holds, i.e. on the
+    implementation's own speed."""
+
+    def __init__(self, fn, device: torch.device, warmup: int, min_sample_s: float = 2e-3,
+                 evict: torch.Tensor | None = None):
         self.fn = fn
+        self.evict = evict
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for _ in range(warmup):
             fn()
         self.sync()
         self.calls = 1
-        while self.calls < 10_000 and (elapsed := self._run(self.calls)) < min_sample_s:
+        while (evict is None and self.calls < 10_000
+               and (elapsed := self._run(self.calls)) < min_sample_s):
             needed = int(self.calls * 1.2 * min_sample_s / max(elapsed, 1e-9))
             self.calls = max(2 * self.calls, needed)
         self.samples: list[float] = []
@@ -175,12 +188,17 @@ class Timer:
         return time.perf_counter() - start
 
     def sample(self) -> None:
+        if self.evict is not None:
+            self.evict.add_(1)
+        else:
+            self.fn()
+        self.sync()
         self.samples.append(self._run(self.calls) / self.calls)
 
 
-def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup):
+def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup, evict=None):
     impls = candidates(case, shapes, device, backends)
-    timers = [Timer(fn, device, warmup) for _, _, fn, _ in impls]
+    timers = [Timer(fn, device, warmup, evict=evict) for _, _, fn, _ in impls]
     # Interleave the samples of all implementations, so that a change in background load during
     # the run affects them alike and the ratios stay fair.
     for _ in range(repeats):
@@ -248,9 +266,13 @@ def describe(result: dict) -> str:
         starts, ends = [starts], [ends]
     load = ", ".join(f"{a[0]:.2f} -> {b[0]:.2f}" for a, b in zip(starts, ends))
     notes = "; ".join(result["notes"]) or "none"
+    caches = {"warm": "caches warm (an untimed call before each sample)",
+              "cold": "caches cold (evicted before each timed call)"}.get(
+        result.get("caches"), "caches as the previous implementation left them")
     return (f"Device: {m['device']} ({where}); torch {m['torch']}; "
             f"{'quick sizes' if result['quick'] else 'full sizes'}; median of {result['repeats']} "
-            f"samples after {result['warmup']} warm-up runs; 1-min load average per run {load}.\n"
+            f"samples after {result['warmup']} warm-up runs, {caches}; "
+            f"1-min load average per run {load}.\n"
             f"Backends timed: {', '.join(result['backends'])}. Skipped: {notes}.\n"
             f"GB/s counts bytes read + written; 'x copy_' = GB/s / GB/s of a same-size copy_; "
             f"'vs _foreach_copy_' = its time / this time.\n")
@@ -299,6 +321,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict the caches before each timed call (one call per sample) "
+                             "instead of timing warm calls")
+    parser.add_argument("--evict-mib", type=int, default=256,
+                        help="with --cold: MiB written to evict the caches")
     parser.add_argument("--backends", nargs="+", help="fsdp_ext backends to time (default: all)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -317,17 +344,19 @@ def main(argv=None) -> dict:
     machine = machine_info(device)  # before the runs: records the load average at the start
     units = QUICK_UNITS if args.quick else FULL_UNITS
     torch.manual_seed(0)
+    evict = torch.zeros(args.evict_mib << 18, device=device) if args.cold else None  # fp32
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for unit, shapes in units.items():
             for case in CASES:
                 rows += run_unit_case(unit, shapes, case, device, backends, threads, args.repeats,
-                                      args.warmup)
+                                      args.warmup, evict)
                 print(f"# threads={threads} {unit} {case.name} done", file=sys.stderr, flush=True)
     load_at_end = os.getloadavg()  # other work on the machine skews CPU timings: record it
     result = dict(machine=dict(machine, load_average_at_end=load_at_end), quick=args.quick,
-                  repeats=args.repeats, warmup=args.warmup, backends=backends, notes=notes,
+                  caches="cold" if args.cold else "warm", repeats=args.repeats,
+                  warmup=args.warmup, backends=backends, notes=notes,
                   units={u: dict(tensors=len(s), numel=sum(torch.Size(x).numel() for x in s))
                          for u, s in units.items()},
                   rows=rows, targets=check_targets(rows))
