@@ -19,7 +19,8 @@ from torch import nn
 
 from . import gloo_p2p, plan_measure
 from .comm_model import Cluster, Link
-from .plan_model import STRATEGIES, Plan, PlanInputs, build_plan, cpu_saturated
+from .plan_model import (STRATEGIES, Plan, PlanInputs, Setting, build_plan, cpu_saturated,
+                         estimate_time, padded_numel)
 
 # Used when no process group is up to measure gloo: two ranks on one host over loopback, measured
 # with plan_measure.measure_link on the 2-core development machine (see docs/README_benchmarks.md).
@@ -68,12 +69,15 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
     elif activation_bytes is not None:
         _spread(specs, activation_bytes)
         notes.append(f"activations: {activation_bytes / 2**20:.1f} MiB per rank (given)")
+    together = link is None and device_type == "cpu" and dist.is_available() and dist.is_initialized()
     if compute_s is None and flops_per_step is not None and flop_rate:
         compute_s = flops_per_step / flop_rate
         notes.append(f"compute: {flops_per_step:.3g} FLOP at {flop_rate:.3g} FLOP/s (given)")
     elif compute_s is None and loss_fn is not None:
-        compute_s = plan_measure.measure_compute(lambda: _forward_backward(model, loss_fn))
-        notes.append(f"compute: forward + backward measured on this machine: {compute_s:.3f} s")
+        compute_s = plan_measure.measure_compute(lambda: _forward_backward(model, loss_fn),
+                                                 together=together)
+        notes.append(f"compute: forward + backward measured on this machine"
+                     f"{', all ranks at once' if together else ''}: {compute_s:.3f} s")
     elif compute_s is not None:
         notes.append(f"compute: {compute_s:.3f} s (given)")
     if compute_s is None:
@@ -82,8 +86,6 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         link = _default_link(device_type)
     threads = threads_per_rank or torch.get_num_threads()
     hides = device_type != "cpu" or not cpu_saturated(world_size, threads, ranks_per_node)
-    if not hides:
-        notes.append("communication counted in full: the ranks' compute threads fill every core")
     itemsize = next((p.element_size() for p in model.parameters()), 4)
     inputs = PlanInputs(
         units=specs, world_size=world_size, compute_s=compute_s,
@@ -97,7 +99,25 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         # gloo reduces with an in-place all-reduce unless the opt-in gloo_p2p path applies (comm.py)
         reduce_is_all_reduce=device_type == "cpu" and not (
             gloo_p2p.enabled() and world_size <= gloo_p2p.MAX_RANKS))
+    if not hides:
+        inputs.contention = _contention(model, loss_fn, inputs, together, notes)
     return build_plan(inputs, memory_budget, prefetch, strategies, notes)
+
+
+def _contention(model, loss_fn, inputs: PlanInputs, together: bool, notes: list[str]) -> float:
+    """CPU ranks fill every core: measure how much overlapped communication still costs, with a
+    probe as long as the default setting's communication (at most the compute), when every rank
+    is here to measure it with; otherwise count communication in full."""
+    if not (together and loss_fn is not None):
+        notes.append("communication counted in full: the ranks' compute threads fill every core")
+        return 1.0
+    comm = estimate_time(inputs, Setting("FULL_SHARD", 1))["comm"]
+    largest = max(padded_numel(u, inputs.world_size) for u in inputs.units)
+    contention = plan_measure.measure_contention(
+        lambda: _forward_backward(model, loss_fn), largest, min(comm, inputs.compute_s))
+    notes.append(f"the ranks' compute threads fill every core: {contention:.2f} of the "
+                 "communication overlapped with compute still adds to the step (measured)")
+    return contention
 
 
 def project(model: nn.Module, world_sizes, cluster: Cluster, *, unit_classes=None,

@@ -1,8 +1,9 @@
 """What the planner measures on this machine before a launch: unit sizes, activations, compute,
 the optimizer's speed and (inside a process group) the all-gather link.
 
-Everything runs on the unwrapped model in one process; nothing here shards or communicates except
-`measure_link`, which needs an initialised process group.
+Everything runs on the unwrapped model; nothing here shards. `measure_link` and
+`measure_contention` communicate and need an initialised process group (every rank calls them),
+as does `measure_compute(..., together=True)`.
 """
 from __future__ import annotations
 
@@ -102,17 +103,65 @@ def measure_activations(model: nn.Module, specs: list[UnitSpec], run_forward) ->
     return sum(nbytes for _, nbytes in seen.values())
 
 
-def measure_compute(run_step, reps: int = 3, warmup: int = 2) -> float:
+def _timed(fn, synced: bool) -> float:
+    if synced:
+        dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's value (a step lasts as long as that rank's); every rank calls this."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure_compute(run_step, reps: int = 3, warmup: int = 2, together: bool = False) -> float:
     """Median seconds of forward + backward (`run_step`), after `warmup` calls (the first ones
-    pay one-time costs: lazy initialisation, first-touch page faults)."""
+    pay one-time costs: lazy initialisation, first-touch page faults). `together`: every rank of
+    the process group calls this, each repetition starts on all of them at once as training steps
+    do (ranks that share cores are measured competing for them), and the slowest rank's median
+    counts."""
     for _ in range(warmup):
         run_step()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    median = statistics.median(_timed(run_step, together) for _ in range(reps))
+    return _slowest(median) if together else median
+
+
+def measure_contention(run_step, unit_numel: int, probe_s: float, reps: int = 3) -> float:
+    """How much of the communication time still adds to a step when it runs during compute.
+
+    On CPU ranks that fill the cores, gloo's threads copy every byte through the cores the
+    compute uses, so issuing a collective early does not hide it. Every rank calls this: a probe
+    of all-gathers of unit-sized fp32 buffers, about `probe_s` long by itself, is timed alone
+    (t_comm), one forward + backward alone (t_compute), and the probe issued asynchronously just
+    before one forward + backward (t_both), repetition by repetition. Returns
+    (t_both - t_compute) / t_comm, at least 0: 0 when communication hides completely, 1 when it
+    adds its own time, more when it also slows the compute."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    chunk = max(unit_numel // world, 1)
+    out = torch.empty(chunk * world)
+    slot = out.narrow(0, rank * chunk, chunk)
+    one = _slowest(statistics.median(
+        _timed(lambda: all_gather_into(out, slot, None, async_op=False), True) for _ in range(3)))
+    count = int(min(max(round(probe_s / max(one, 1e-6)), 1), 64))
+
+    def comm_alone():
+        for work in [all_gather_into(out, slot, None, async_op=True) for _ in range(count)]:
+            work.wait()
+
+    def both():
+        works = [all_gather_into(out, slot, None, async_op=True) for _ in range(count)]
         run_step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for work in works:
+            work.wait()
+
+    comm_alone()
+    samples = [[_timed(fn, True) for fn in (comm_alone, run_step, both)] for _ in range(reps)]
+    t_comm, t_compute, t_both = (_slowest(statistics.median(column)) for column in zip(*samples))
+    return max(0.0, (t_both - t_compute) / max(t_comm, 1e-9))
 
 
 def adamw_seconds_per_element(numel: int = 1 << 21, reps: int = 3) -> float:

@@ -11,9 +11,11 @@ created as backward goes), the optimizer step.
 
 Step time: measured forward + backward of `loss_fn` on this machine (or flops / flop rate), the
 optimizer on the local shard, and the communication of an alpha-beta ring model (comm_model.py).
-How much communication hides behind compute: on CPU ranks that fill every core, none (gloo's
-threads copy through the same cores); otherwise per unit max(0, comm - compute) with prefetch
-(depth >= 1), plus the first all-gather and the last reduction, which nothing can hide.
+How much communication hides behind compute (prefetch depth >= 1): the first all-gather and the
+last reduction never do; of the rest, per unit max(0, comm - compute), except on CPU ranks that
+fill every core, where gloo's threads copy through the cores the compute uses: there the rest
+costs `contention` times its own time, a share measured on the machine by
+plan_measure.measure_contention (1 when it cannot be measured). Depth 0 exposes everything.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class PlanInputs:
     optimizer_states: int = 2        # AdamW: exp_avg, exp_avg_sq (fp32)
     reduce_is_all_reduce: bool = False  # gloo: the runtime all-reduces in place
     comm_hides: bool = True          # False where communication competes for the compute cores
+    contention: float = 1.0          # then: share of overlapped communication that still adds
     copy_bytes_per_s: float = 0.0    # CPU: the copies around each collective cost compute time
     grads_set_to_none: bool = True   # zero_grad(set_to_none=True): gradient shards freed
 
@@ -160,8 +163,10 @@ def estimate_time(m: PlanInputs, s: Setting) -> dict:
             first_ag += ag
         last_reduce = red
     comm = sum(c for _, c in comm_per_unit)
-    if not m.comm_hides or s.prefetch == 0:
+    if s.prefetch == 0:
         exposed = comm
+    elif not m.comm_hides:  # issued early, it still competes for the cores the compute uses
+        exposed = first_ag + last_reduce + m.contention * max(0.0, comm - first_ag - last_reduce)
     else:
         exposed = first_ag + last_reduce + sum(
             max(0.0, c - m.compute_s * u.numel / total) for u, c in comm_per_unit)
@@ -175,7 +180,7 @@ def estimate_time(m: PlanInputs, s: Setting) -> dict:
 def _copy_seconds(m: PlanInputs, s: Setting, shards: int, blocks: list[UnitSpec]) -> float:
     """Bytes the runtime reads and writes around its collectives, at the measured copy rate (CPU
     only; on GPUs these kernels are short and overlap on their streams): per gather the shard
-    into its slot and the gathered unit out of gloo's buffer, per reduction the pack and the
+    into its slot (the CPU all-gather then broadcasts in place), per reduction the pack and the
     epilogue."""
     if not m.copy_bytes_per_s:
         return 0.0
@@ -185,7 +190,7 @@ def _copy_seconds(m: PlanInputs, s: Setting, shards: int, blocks: list[UnitSpec]
         gathers = 2 if (s.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not u.is_root
                         and blocks and u is not blocks[-1]) else 1
         if s.strategy != "NO_SHARD":
-            moved += gathers * 2 * (full // shards + full) * m.param_bytes
+            moved += gathers * 2 * (full // shards) * m.param_bytes
         moved += 2 * full * m.reduce_bytes + 3 * full // shards * m.reduce_bytes
     return moved / m.copy_bytes_per_s
 

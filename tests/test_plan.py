@@ -143,3 +143,37 @@ def test_projection_on_meta_device():
     assert small.time["compute"] == pytest.approx(1e15 / (H100.peak_flops * H100.mfu))
     hybrid = plans[64].estimate("HYBRID_SHARD", 1)
     assert hybrid.memory["params"] == pytest.approx(small.memory["params"], rel=0.01)
+
+
+def test_exposed_communication_where_cpu_ranks_fill_the_cores():
+    """Saturated CPU ranks: the first all-gather and the last reduction in full, the rest scaled by
+    the measured contention (0: hidden, 1: serial); depth 0 exposes everything."""
+    from fsdp_ext.plan_model import PlanInputs, Setting, estimate_time
+    specs = [UnitSpec("", None, [1000], is_root=True)] + [
+        UnitSpec(f"b{i}", None, [4000]) for i in range(3)]
+    inputs = PlanInputs(units=specs, world_size=2, compute_s=1.0, adamw_s_per_element=0.0,
+                        link=LINK, comm_hides=False)
+    times = {}
+    for contention in (0.0, 0.5, 1.0):
+        inputs.contention = contention
+        times[contention] = estimate_time(inputs, Setting("FULL_SHARD", 1))
+    comm = times[1.0]["comm"]
+    unhidable = times[0.0]["exposed_comm"]
+    assert 0 < unhidable < comm
+    assert times[1.0]["exposed_comm"] == pytest.approx(comm)
+    assert times[0.5]["exposed_comm"] == pytest.approx(unhidable + 0.5 * (comm - unhidable))
+    assert estimate_time(inputs, Setting("FULL_SHARD", 0))["exposed_comm"] == pytest.approx(comm)
+
+
+def check_contention_measured(rank: int, world_size: int) -> None:
+    model = _model()
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(rank))
+    p = fsdp_ext.plan(model, world_size, unit_classes={Block}, loss_fn=lambda m: m(idx, idx),
+                      threads_per_rank=64, prefetch=(1,), strategies=("FULL_SHARD",))
+    assert p.model.contention >= 0.0
+    assert any("still adds to the step (measured)" in note for note in p.notes), p.notes
+
+
+def test_contention_measured_inside_a_process_group():
+    # threads_per_rank=64: the ranks count as filling every core on any machine.
+    run_distributed(check_contention_measured, 2)
