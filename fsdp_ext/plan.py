@@ -22,10 +22,11 @@ from .comm_model import Cluster, Link
 from .plan_model import (STRATEGIES, Plan, PlanInputs, Setting, build_plan, cpu_saturated,
                          estimate_time, padded_numel)
 
-# Used when no process group is up to measure gloo: two ranks on one host over loopback, measured
-# with plan_measure.measure_link on the 2-core development machine (see docs/README_benchmarks.md).
+# Used when no process group is up to measure gloo: two ranks on one host over loopback, fitted by
+# plan_measure.measure_link on the idle 2-core development machine (three fits: 210-320 us,
+# 1.34-2.04 GB/s; the lower bandwidth is kept).
 GLOO_LOOPBACK = Link("gloo loopback (default; pass link= or plan inside a process group)",
-                     alpha_s=200e-6, bandwidth=1.0e9)
+                     alpha_s=250e-6, bandwidth=1.35e9)
 
 
 def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
