@@ -39,7 +39,7 @@ import rss  # noqa: E402
 from tensor_memory import TensorMemory  # noqa: E402
 import step_report  # noqa: E402
 from step_frameworks import (  # noqa: E402
-    DEFAULT, FRAMEWORKS, LARGE, build_model, environment, make_batch, tensor_accounting, wrap)
+    DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, tensor_accounting, wrap)
 
 
 class Trainer:
@@ -56,11 +56,10 @@ class Trainer:
         """One training step after a barrier: (wall seconds, CPU seconds, loss)."""
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        with environment(self.name):
-            self.opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(self.model(self.x), self.y)
-            loss.backward()
-            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         # CPU seconds of all this rank's threads (compute + gloo): what the step costs the cores,

@@ -3,8 +3,6 @@
 Every framework gets the same model (same seed, so the same initial weights), the same data and the
 same AdamW; only the wrapping differs:
     fsdp_ext  fsdp_ext.fully_shard per block, then the root (defaults)
-    fsdp_ext_p2p  the same with FSDP_EXT_GLOO_P2P=1: gather and reduce-scatter from gloo
-              point-to-point sends (fsdp_ext/gloo_p2p.py, opt-in)
     ddp       torch.nn.parallel.DistributedDataParallel (defaults)
     fsdp1     torch.distributed.fsdp.FullyShardedDataParallel, ModuleWrapPolicy on the block class,
               use_orig_params=True (FULL_SHARD, BACKWARD_PRE: the defaults)
@@ -14,8 +12,6 @@ same AdamW; only the wrapping differs:
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -104,29 +100,10 @@ def _wrap_fsdp2(model, device, options):
     return fully_shard(model, mesh=mesh)
 
 
-WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "fsdp_ext_p2p": _wrap_fsdp_ext, "ddp": _wrap_ddp,
+WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp1": _wrap_fsdp1, "fsdp2": _wrap_fsdp2,
             "local": lambda model, device, options: model}
 FRAMEWORKS = list(WRAPPERS)
-
-
-ENVIRONMENT = {"fsdp_ext_p2p": {"FSDP_EXT_GLOO_P2P": "1"}}
-
-
-@contextlib.contextmanager
-def environment(name: str):
-    """The environment variables a framework variant runs under (read by fsdp_ext per call)."""
-    changes = ENVIRONMENT.get(name, {})
-    saved = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def wrap(name: str, model: nn.Module, device: torch.device,

@@ -51,10 +51,6 @@ def targets(summary: dict, case: str, world_size: int) -> list[dict]:
                 v = summary[peer]["fsdp_ext_over_this_time"]
                 out.append(dict(what=f"step time fsdp_ext / {peer}", value=v, limit=limit,
                                 met=v <= limit))
-            if peer in summary and "fsdp_ext_p2p" in summary:  # the opt-in variant, for reference
-                v = summary["fsdp_ext_p2p"]["median_s"] / summary[peer]["median_s"]
-                out.append(dict(what=f"step time fsdp_ext_p2p (opt-in) / {peer}", value=v,
-                                limit=limit, met=v <= limit))
     if case == "large" and world_size == 4:
         for peer, limit in MEMORY_TARGETS.items():
             if peer in summary:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import gloo_p2p
 from .debug import CollectiveError
 
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -165,8 +164,6 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     """Gather every rank's `input` into `output` (rank r's chunk at r * input.numel())."""
-    if gloo_p2p.usable(output, group):  # no gather-then-copy-out (gloo_p2p.py)
-        return _finished_unless_async(gloo_p2p.all_gather(output, input, group), async_op)
     if output.device.type == "cpu":
         return _all_gather_by_broadcasts(output, input, group, async_op)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
@@ -206,13 +203,6 @@ def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group, 
     return None
 
 
-def _finished_unless_async(exchange: gloo_p2p.Exchange, async_op: bool):
-    if async_op:
-        return exchange
-    exchange.wait()
-    return None
-
-
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -223,12 +213,8 @@ def reduce_scatter_into(flat: torch.Tensor, shard_numel: int, rank: int, group, 
     gloo (every CPU tensor) has no native reduce-scatter: reduce_scatter_tensor clones its input,
     all-reduces the clone and copies the rank's chunk out when waited on. An all-reduce in place on
     the packed buffer (ours, read by nobody else) moves the same bytes without the clone, the copy
-    or the output tensor; the rank's slice of it is the result. Small groups do better still with
-    point-to-point sends of each chunk to its owner (half the bytes; gloo_p2p.py).
+    or the output tensor; the rank's slice of it is the result.
     """
-    if gloo_p2p.usable(flat, group):
-        output, exchange = gloo_p2p.reduce_scatter_sum(flat, shard_numel, group)
-        return output, _finished_unless_async(exchange, async_op)
     if flat.device.type == "cpu":
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         return flat.narrow(0, rank * shard_numel, shard_numel), work

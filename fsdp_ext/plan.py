@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import gloo_p2p, plan_measure
+from . import plan_measure
 from .comm_model import Cluster, Link
 from .plan_model import (STRATEGIES, Plan, PlanInputs, Setting, build_plan, cpu_saturated,
                          estimate_time, padded_numel)
@@ -97,9 +97,7 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
                                                                      itemsize),
         state_bytes=itemsize, comm_hides=hides,
         copy_bytes_per_s=plan_measure.copy_bytes_per_second() if device_type == "cpu" else 0.0,
-        # gloo reduces with an in-place all-reduce unless the opt-in gloo_p2p path applies (comm.py)
-        reduce_is_all_reduce=device_type == "cpu" and not (
-            gloo_p2p.enabled() and world_size <= gloo_p2p.MAX_RANKS))
+        reduce_is_all_reduce=device_type == "cpu")  # gloo: an in-place all-reduce (comm.py)
     if not hides:
         inputs.contention = _contention(model, loss_fn, inputs, together, notes)
     return build_plan(inputs, memory_budget, prefetch, strategies, notes)
