@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
+#include <torch/version.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -39,7 +40,11 @@ inline at::IntArrayRef boxed_int_list(const c10::IValue& list, std::vector<int64
 
 // True when dropping the stack's reference to some tensor of `list` would release a Python object's
 // last C++ reference: that release takes the GIL (see c10::intrusive_ptr::reset_not_null_).
+// The Python-object slot is internal API that changes between releases: it is read only with the
+// release this was written and tested against; other releases always take the GIL once around the
+// drop, which is correct, and costs one acquisition per call where none was needed.
 inline bool releases_python_references(const BoxedTensorList& list) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 14
   for (size_t i = 0; i < list.size(); ++i) {
     const at::Tensor& t = list[i];
     if (t.use_count() <= 2 && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr) {
@@ -47,6 +52,10 @@ inline bool releases_python_references(const BoxedTensorList& list) {
     }
   }
   return false;
+#else
+  (void)list;
+  return true;
+#endif
 }
 
 // Pops the kernel's `count` arguments off the stack. When that hands tensors back to their Python
