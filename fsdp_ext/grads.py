@@ -19,7 +19,7 @@ from . import comm, finite, ops
 from .flat_param import Bucket
 from .mixed_precision import divide_factors
 from .offload import to_host
-from .trace import RECORDER, span
+from .trace import RECORDER, profiler_range, span
 
 
 @dataclass
@@ -62,7 +62,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     result = {}
 
     def collectives(async_op: bool) -> list:
-        with torch.profiler.record_function(f"fsdp_ext::pack_grads[{unit.name or 'root'}]"):
+        with profiler_range("pack_grads", unit.name):
             flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
         if state.unsharded_accumulator is not None:
             flat.add_(state.unsharded_accumulator)
@@ -86,7 +86,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel, reduce_dtype)
     unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
-    with torch.profiler.record_function(f"fsdp_ext::reduce_scatter[{unit.name or 'root'}]"):
+    with profiler_range("reduce_scatter", unit.name):
         pending = unit.schedule.streams.launch(
             "reduce_scatter", collectives, keep_alive=[],
             label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}")
@@ -107,7 +107,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
         if unit.offload is not None:
             reduced = to_host(reduced)
         accumulate = bucket.sync_param_grads_into_buffer()
-        with torch.profiler.record_function(f"fsdp_ext::grad_epilogue[{unit.name or 'root'}]"):
+        with profiler_range("grad_epilogue", unit.name):
             ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
         result.clear()  # the packed buffer can go now, not when this closure is dropped
         for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):

@@ -28,7 +28,7 @@ from .grads import BucketGrads, reduce_bucket
 from .deferred_init import materialize_meta_modules
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
 from .offload import CPUOffloadPolicy, host_empty, to_compute_device
-from .trace import RECORDER, begin_range, end_range, span
+from .trace import RECORDER, begin_range, end_range, profiler_range, span
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -131,7 +131,7 @@ class Unit:
             self.schedule.checker.check(group, "all_gather", self.name, i, bucket.numel_padded,
                                         self.full[i].dtype)
         RECORDER.add("all_gather.issue", self.name)
-        with torch.profiler.record_function(f"fsdp_ext::all_gather[{self.name or 'root'}]"):
+        with profiler_range("all_gather", self.name):
             self.pending_unshard = self.schedule.streams.launch(
                 "all_gather", self._all_gather_fn, keep_alive=[],
                 label=f"all_gather of unit '{self.name or '<root>'}'")
@@ -151,7 +151,7 @@ class Unit:
                 source, slot, group = bucket.shard, self.groups.shard_rank, self.groups.shard
                 if self.offload is not None:
                     source = to_compute_device(source, full.device)
-            with torch.profiler.record_function(f"fsdp_ext::copy_in[{self.name or 'root'}]"):
+            with profiler_range("copy_in", self.name):
                 ops.cast_into_slot(source, full, slot)
             if group is not None:
                 slot_view = full.narrow(0, slot * source.numel(), source.numel())
