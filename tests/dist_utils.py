@@ -22,9 +22,11 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, backend: str) -> None:
+    # Every rank is a client of the store the parent hosts (TORCHELASTIC_USE_AGENT_STORE, as under
+    # torchrun), so no rank's exit takes the store away from ranks still tearing down.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -42,9 +44,19 @@ def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, ba
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0,
                     backend: str = "gloo") -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` ranks; re-raise any rank's failure."""
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args, timeout_s, backend),
-             nprocs=world_size, join=True)
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; re-raise any rank's failure.
+
+    The rendezvous store lives in this process, as torchrun's agent hosts it: when rank 0 hosted
+    it and finished first, a rank still inside gloo's teardown could lose it and abort
+    ("terminate called without an active exception"), failing a test whose checks all passed."""
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        mp.spawn(_entry, args=(world_size, port, fn, args, timeout_s, backend),
+                 nprocs=world_size, join=True)
+    finally:
+        del store
 
 
 def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
