@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 
 import torch
@@ -15,18 +14,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ranks join the launcher's store as clients (what torchrun's agent tells its workers).
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def hosted_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store served by the launching process, as torchrun's agent serves it: when
+    rank 0 served it and finished first, a rank still inside gloo's teardown could lose it and
+    abort ("terminate called without an active exception") after all its checks had passed.
+    Keep it referenced until every rank has exited; its `port` is the MASTER_PORT to give them."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, backend: str) -> None:
-    # Every rank is a client of the store the parent hosts (TORCHELASTIC_USE_AGENT_STORE, as under
-    # torchrun), so no rank's exit takes the store away from ranks still tearing down.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
+                      LOCAL_WORLD_SIZE=str(world_size), **AGENT_STORE_ENV)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -44,19 +48,10 @@ def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, ba
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0,
                     backend: str = "gloo") -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` ranks; re-raise any rank's failure.
-
-    The rendezvous store lives in this process, as torchrun's agent hosts it: when rank 0 hosted
-    it and finished first, a rank still inside gloo's teardown could lose it and abort
-    ("terminate called without an active exception"), failing a test whose checks all passed."""
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        mp.spawn(_entry, args=(world_size, port, fn, args, timeout_s, backend),
-                 nprocs=world_size, join=True)
-    finally:
-        del store
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; re-raise any rank's failure."""
+    store = hosted_store(world_size, timeout_s)
+    mp.spawn(_entry, args=(world_size, store.port, fn, args, timeout_s, backend),
+             nprocs=world_size, join=True)
 
 
 def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

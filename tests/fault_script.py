@@ -119,9 +119,6 @@ def main() -> None:
                 _kill_after_writing_shards()
             fsdp_ext.save_checkpoint(args.ckpt_dir, model, optimizer, step=step + 1)
     print("DONE", flush=True)
-    # Leave together: a rank still tearing down gloo while a peer's process is already gone can
-    # abort in gloo's shutdown ("terminate called without an active exception").
-    dist.barrier()
     dist.destroy_process_group()
 
 
