@@ -106,23 +106,23 @@ class Schedule:
         if self.options["backward_prefetch_at"] == moment:
             self._prefetch(self.forward_order[::-1], unit, self.options["backward_prefetch"])
 
+    def _finish_oldest_reduce_scatters(self, keep: int) -> None:
+        while len(self.pending_reduce_scatters) > keep:
+            self.pending_reduce_scatters.popleft()()
+
     def make_room_for_reduce_scatter(self) -> None:
         """Finish the oldest pending reduce-scatters before a new one packs its buffer, so that
         with it at most max_pending_reduce_scatters packed buffers exist at a time (the default,
         1: the previous unit's is finished and freed first). That one was issued a unit's
         backward compute ago, so its wait rarely blocks."""
-        limit = self.options["max_pending_reduce_scatters"]
-        while self.pending_reduce_scatters and len(self.pending_reduce_scatters) >= max(limit, 1):
-            self.pending_reduce_scatters.popleft()()
+        self._finish_oldest_reduce_scatters(max(self.options["max_pending_reduce_scatters"], 1) - 1)
 
     def add_pending_reduce_scatter(self, finish) -> None:
         self.pending_reduce_scatters.append(finish)
-        while len(self.pending_reduce_scatters) > self.options["max_pending_reduce_scatters"]:
-            self.pending_reduce_scatters.popleft()()
+        self._finish_oldest_reduce_scatters(self.options["max_pending_reduce_scatters"])
 
     def drain_reduce_scatters(self) -> None:
-        while self.pending_reduce_scatters:
-            self.pending_reduce_scatters.popleft()()
+        self._finish_oldest_reduce_scatters(0)
 
     def finalize_backward(self) -> None:
         """Runs once when autograd finishes: flush gradients, free whatever is still unsharded."""

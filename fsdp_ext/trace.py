@@ -51,10 +51,15 @@ def label(unit_name: str, what: str) -> str:
     return f"fsdp_ext::{what}[{unit_name or 'root'}]"
 
 
+def _profiling() -> bool:
+    """Whether a profiler collects: a range costs tens of microseconds of Python even when nobody
+    records it, several per unit, so ranges are opened only then (always, if torch cannot say)."""
+    return getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+
+
 def profiler_range(what: str, unit_name: str):
-    """The profiler range `fsdp_ext::{what}[unit]` while a profiler collects, else nothing: a
-    range costs tens of microseconds of Python even when nobody records it, several per unit."""
-    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+    """The profiler range `fsdp_ext::{what}[unit]` while a profiler collects, else nothing."""
+    if _profiling():
         return torch.profiler.record_function(label(unit_name, what))
     return contextlib.nullcontext()
 
@@ -78,7 +83,7 @@ _OPEN_RANGES: dict[tuple[str, int], torch.profiler.record_function] = {}
 def begin_range(kind: str, unit) -> None:
     """Open the profiler range `fsdp_ext::{kind}[unit]` (closed by `end_range`)."""
     key = (kind, id(unit))
-    if key not in _OPEN_RANGES and getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+    if key not in _OPEN_RANGES and _profiling():
         rf = torch.profiler.record_function(label(unit.name, kind))
         rf.__enter__()
         _OPEN_RANGES[key] = rf
