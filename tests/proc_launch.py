@@ -8,13 +8,12 @@ still running at the end is killed (and reported as such).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-
-from .dist_utils import AGENT_STORE_ENV, hosted_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,19 +26,24 @@ class RankResult:
     output: str              # stdout and stderr together
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Ranks:
     """`with Ranks(args, world) as ranks: results = ranks.wait(...)`; kills leftovers on exit."""
 
     def __init__(self, args: list[str], world_size: int, env: dict[str, str] | None = None):
-        self.store = hosted_store(world_size, timeout_s=600.0)  # outlives every rank
+        port = str(free_port())
         self.start = time.monotonic()
         self.procs, self.logs = [], []
         for rank in range(world_size):
             log = tempfile.TemporaryFile(mode="w+")
             rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
                         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-                        **AGENT_STORE_ENV, "OMP_NUM_THREADS": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                         "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
             self.procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, cwd=REPO,
                                                stdout=log, stderr=subprocess.STDOUT))
