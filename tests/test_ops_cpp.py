@@ -165,7 +165,13 @@ def test_large_tensors_split_across_threads():
 
 def _large_cases(big):
     check_pack([(big,), (1 << 16,)], [torch.float32], torch.bfloat16, 1.0, (1000, big + 5))
-    check_pack([(big,)], [torch.float32], torch.float32, 1.0, None)  # memcpy path
+    # Same-dtype calls that write 16 MiB or more use streaming stores: runs whose destinations
+    # start at odd offsets (random gaps), split between threads mid-run, and the unaligned tails.
+    check_pack([(big,)], [torch.float32], torch.float32, 1.0, None)
+    check_pack([(big + 3,), ((1 << 20) + 1,), (5,)], [torch.float32], torch.float32, 1.0, None,
+               seed=8)
+    check_unpack([(big + 1,), (33,), ((1 << 20) + 7,)], torch.float32, [torch.float32], None, seed=9)
+    check_cast_into_slot((big + 1,), torch.float32, torch.float32, 2, 1)
     check_unpack([(big,)], torch.bfloat16, [torch.float32], (3, big))
     check_cast_into_slot((big + 3,), torch.float32, torch.float16, 2, 1)
     check_grad_epilogue(((4 << 20) + 1,), torch.bfloat16, torch.float32, 0.37, True)
