@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm, finite, ops
+from . import comm, finite, ops, storage_cache
 from .flat_param import Bucket
 from .mixed_precision import divide_factors
 from .offload import to_host
@@ -35,7 +35,7 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
                device: torch.device) -> torch.Tensor:
     """One flat [numel_padded] buffer of `grads` (None -> zeros), cast and divided by `pre`."""
     present = [(g.contiguous(), slot.offset) for g, slot in zip(grads, bucket.slots) if g is not None]
-    flat = torch.empty(bucket.numel_padded, dtype=reduce_dtype, device=device)
+    flat = storage_cache.empty(bucket.numel_padded, reduce_dtype, device)
     ops.pack([g for g, _ in present], [o for _, o in present], flat, 0, 1.0 / pre)
     return flat
 
@@ -109,6 +109,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
         accumulate = bucket.sync_param_grads_into_buffer()
         with profiler_range("grad_epilogue", unit.name):
             ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
+        storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
         result.clear()  # the packed buffer can go now, not when this closure is dropped
         for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):
             # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.

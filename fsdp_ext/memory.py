@@ -6,6 +6,8 @@
     unsharded:  gathered `full` buffers allocated right now (0 between steps; the root and the
                 last unit stay allocated from forward to backward)
 
+`cached` is what the host block cache (storage_cache.py) holds for the next refill: freed
+gathered or packed-gradient blocks, at most two per size, process-wide (not in `total`).
 `unsharded_unit_max` is the largest single unit's gathered size, so a caller can bound what the
 prefetch depth adds (depth + 1 transient units plus the root). Process RSS also holds activations,
 the allocator's free lists and the libraries; this report is what sharding controls.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import storage_cache
 from .schedule import units_of
 
 
@@ -41,7 +44,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         model: a module sharded with fully_shard / FullyShardedDataParallel (or containing units).
         optimizer: the optimizer over its parameters (optional).
     Returns:
-        dict with params, grads, optimizer, unsharded, unsharded_unit_max, total (bytes) and units.
+        dict with params, grads, optimizer, unsharded, total, cached, unsharded_unit_max (bytes)
+        and units.
     """
     units = units_of(model)
     params = grads = unsharded = unit_max = 0
@@ -57,5 +61,5 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     report = dict(params=params, grads=grads, optimizer=optimizer_state_bytes(optimizer),
                   unsharded=unsharded)
     report["total"] = sum(report.values())
-    report.update(unsharded_unit_max=unit_max, units=len(units))
+    report.update(cached=storage_cache.cached_bytes(), unsharded_unit_max=unit_max, units=len(units))
     return report

@@ -9,10 +9,11 @@ The timeline of a unit in one training step (see README, "How it works"):
 
 The views the forward sees come from `_UnshardedViews`, an autograd function whose backward receives
 the per-parameter gradients (None for parameters the forward did not use) and hands them to the
-gradient path (`grads.py`) instead of returning them to autograd. Freeing uses
-`untyped_storage().resize_(0)`, which keeps every view and every tensor autograd saved valid; the
-refill writes through `full.data`, an alias with its own version counter, so autograd does not
-mistake the refill for an in-place edit of the tensors it saved.
+gradient path (`grads.py`) instead of returning them to autograd. Freeing takes
+the storage down to zero bytes (`storage_cache.release`, like `untyped_storage().resize_(0)`), which
+keeps every view and every tensor autograd saved valid; the refill (`storage_cache.fill`) writes
+through `full.data`, an alias with its own version counter, so autograd does not mistake the refill
+for an in-place edit of the tensors it saved.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import comm, ops
+from . import comm, ops, storage_cache
 from .flat_param import Bucket, ParamSlot
 from .grads import BucketGrads, reduce_bucket
 from .deferred_init import materialize_meta_modules
@@ -144,7 +145,7 @@ class Unit:
         works = []
         chunks = self.post_forward_chunks
         for i, (bucket, full) in enumerate(zip(self.buckets, self.full_data)):
-            full.untyped_storage().resize_(full.numel() * full.element_size())
+            storage_cache.fill(full)
             if chunks is not None:  # regather from the smaller post-forward group
                 source, slot, group = chunks[i], self.groups.post_forward_rank, self.groups.post_forward
             else:
@@ -207,7 +208,7 @@ class Unit:
                 full.narrow(0, j * (full.numel() // k), full.numel() // k).clone()
                 for full in self.full_data]
         for full in self.full_data:
-            full.untyped_storage().resize_(0)
+            storage_cache.release(full)
         self.unsharded = False
         RECORDER.add("reshard", self.name)
 

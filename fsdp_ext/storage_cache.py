@@ -1,0 +1,72 @@
+"""Free and refill the storages of gathered parameters and packed gradients, reusing host blocks.
+
+A unit's gathered buffer is freed after each use by taking its storage down to zero bytes, and
+refilled before the next, so that its views (and what autograd saved) stay valid. On CPU a refill
+through the system allocator maps fresh pages for every block above glibc's mmap threshold (at
+most 32 MiB): the kernel faults in and zeroes each page again, unit after unit. `fill` and `release`
+go through a small cache of freed blocks instead (csrc/cpu/storage_cache.cpp: at most two per
+size), for CPU blocks of at least MIN_BYTES; anything else, and every build without the
+extension, uses `resize_` as before. CUDA has its caching allocator.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
+
+
+def _cached(tensor: torch.Tensor, nbytes: int) -> bool:
+    return ops.HAVE_EXTENSION and tensor.device.type == "cpu" and nbytes >= MIN_BYTES
+
+
+def fill(tensor: torch.Tensor) -> None:
+    """Give the (empty) storage of `tensor` room for all its elements; contents undefined."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if _cached(tensor, nbytes):
+        from . import _C
+        _C.fill_storage(tensor, nbytes)
+    else:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Free the storage of `tensor` (down to zero bytes); every tensor on it then holds no data."""
+    if _cached(tensor, tensor.untyped_storage().nbytes()):
+        from . import _C
+        _C.release_storage(tensor)
+    else:
+        tensor.untyped_storage().resize_(0)
+
+
+def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty(numel), with the block taken from the cache where `fill` would take it from
+    there. Give it back with `release` once nothing reads it (else it is freed as usual)."""
+    nbytes = numel * (torch.finfo(dtype).bits // 8)
+    if device.type == "cpu" and ops.HAVE_EXTENSION and nbytes >= MIN_BYTES:
+        from . import _C
+        return _C.cached_empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def recycle(tensor: torch.Tensor) -> None:
+    """Done with a buffer from `empty`: its block goes back to the cache if it came from there
+    (every tensor on its storage then holds no data); otherwise nothing happens here."""
+    if _cached(tensor, tensor.untyped_storage().nbytes()):
+        release(tensor)
+
+
+def cached_bytes() -> int:
+    """Bytes of freed host blocks the cache holds for reuse."""
+    if not ops.HAVE_EXTENSION:
+        return 0
+    from . import _C
+    return _C.cached_bytes()
+
+
+def empty_cache() -> None:
+    """Free the blocks the cache holds (e.g. after training, before something else needs memory)."""
+    if ops.HAVE_EXTENSION:
+        from . import _C
+        _C.empty_cache()
