@@ -38,6 +38,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from exit_worker import exit_without_finalization  # noqa: E402
 from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
 
 DEPTHS = (0, 1, 2)
@@ -139,6 +140,7 @@ def worker(rank: int, world_size: int, port: int, args, path: str) -> None:
     if rank == 0:
         torch.save(rows, path)
     dist.destroy_process_group()
+    exit_without_finalization()
 
 
 def report(rows: list[dict], args, argv: list[str]) -> None:

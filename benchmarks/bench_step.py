@@ -34,6 +34,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from exit_worker import exit_without_finalization  # noqa: E402
 import plan_check  # noqa: E402
 import rss  # noqa: E402
 from tensor_memory import TensorMemory  # noqa: E402
@@ -168,6 +169,7 @@ def memory_worker(rank: int, world_size: int, port: int, args, name: str, path: 
               f"{max(x['tensor_peak'] for x in ranks) / 2**20:.0f} MiB, RSS peak "
               f"+{max(x['train_peak'] for x in ranks) / 2**20:.0f} MiB", flush=True)
     dist.destroy_process_group()
+    exit_without_finalization()
 
 
 def _plan(device, cfg, args) -> dict | None:
@@ -187,6 +189,7 @@ def plan_worker(rank: int, world_size: int, port: int, args, path: str) -> None:
     if rank == 0:
         torch.save(prediction, path)
     dist.destroy_process_group()
+    exit_without_finalization()
 
 
 def timing_worker(rank: int, world_size: int, port: int, args, path: str) -> None:
@@ -209,6 +212,7 @@ def timing_worker(rank: int, world_size: int, port: int, args, path: str) -> Non
     if rank == 0:
         torch.save(results, path)
     dist.destroy_process_group()
+    exit_without_finalization()
 
 
 def _free_port() -> int:
