@@ -183,7 +183,11 @@ def _plan(device, cfg, args) -> dict | None:
 
 
 def plan_worker(rank: int, world_size: int, port: int, args, path: str) -> None:
-    """With --timing sequential: the prediction in a launch of its own."""
+    """With --timing sequential: the prediction in a launch of its own, under the allocator
+    setting of the memory launches whose step times it is compared with (every tensor above
+    64 KiB mapped and unmapped on its own, see rss.track_live_memory: a step then pays page faults
+    a default process does not, and so must the planner's compute measurement)."""
+    rss.track_live_memory()
     device, cfg = _setup(rank, world_size, port, args)
     prediction = _plan(device, cfg, args)
     if rank == 0:
