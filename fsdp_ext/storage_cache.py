@@ -5,20 +5,24 @@ refilled before the next, so that its views (and what autograd saved) stay valid
 through the system allocator maps fresh pages for every block above glibc's mmap threshold (at
 most 32 MiB): the kernel faults in and zeroes each page again, unit after unit. `fill` and `release`
 go through a small cache of freed blocks instead (csrc/cpu/storage_cache.cpp: at most two per
-size), for CPU blocks of at least MIN_BYTES; anything else, and every build without the
-extension, uses `resize_` as before. CUDA has its caching allocator.
+size), for CPU blocks of at least MIN_BYTES; anything else, every build without the
+extension, and FSDP_EXT_STORAGE_CACHE=0 in the environment use `resize_` and `torch.empty`.
+CUDA has its caching allocator.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from . import ops
 
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
+ENABLED = ops.HAVE_EXTENSION and os.environ.get("FSDP_EXT_STORAGE_CACHE", "1") != "0"
 
 
 def _cached(tensor: torch.Tensor, nbytes: int) -> bool:
-    return ops.HAVE_EXTENSION and tensor.device.type == "cpu" and nbytes >= MIN_BYTES
+    return ENABLED and tensor.device.type == "cpu" and nbytes >= MIN_BYTES
 
 
 def fill(tensor: torch.Tensor) -> None:
@@ -44,7 +48,7 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(numel), with the block taken from the cache where `fill` would take it from
     there. Give it back with `release` once nothing reads it (else it is freed as usual)."""
     nbytes = numel * (torch.finfo(dtype).bits // 8)
-    if device.type == "cpu" and ops.HAVE_EXTENSION and nbytes >= MIN_BYTES:
+    if ENABLED and device.type == "cpu" and nbytes >= MIN_BYTES:
         from . import _C
         return _C.cached_empty(numel, dtype)
     return torch.empty(numel, dtype=dtype, device=device)

@@ -82,3 +82,15 @@ def _parity_through_the_cache(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_training_parity_with_every_buffer_cached(world_size):
     run_distributed(_parity_through_the_cache, world_size)
+
+
+def test_switched_off_everything_goes_to_the_system_allocator(monkeypatch):
+    monkeypatch.setattr(storage_cache, "ENABLED", False)  # what FSDP_EXT_STORAGE_CACHE=0 sets
+    full = torch.empty(BIG)
+    storage_cache.release(full)
+    assert full.untyped_storage().nbytes() == 0 and storage_cache.cached_bytes() == 0
+    storage_cache.fill(full)
+    assert full.untyped_storage().nbytes() == BIG * 4
+    flat = storage_cache.empty(BIG, torch.float32, torch.device("cpu"))
+    storage_cache.recycle(flat)
+    assert flat.untyped_storage().nbytes() == BIG * 4 and storage_cache.cached_bytes() == 0
