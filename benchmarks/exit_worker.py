@@ -1,10 +1,12 @@
 """How the benchmarks' mp.spawn workers end: without interpreter finalization.
 
-Rarely (about 1 in 15 runs of some test launches, and once in a 201.6M-parameter benchmark run) a
-rank whose work had all finished aborted during finalization ("terminate called without an active
-exception", no Python frame), after destroy_process_group had returned, which fails the whole
-mp.spawn launch. The cause inside finalization is not found; tests/dist_utils.py ends its ranks
-the same way.
+Rarely (about 1 in 15 runs of some test launches, once in a 201.6M-parameter benchmark run, 2 in
+20 runs of a small overlap script) a rank whose work had all finished aborted during finalization
+("terminate called without an active exception"), which fails the whole mp.spawn launch. The core
+dump: a gloo worker thread finishing the last barrier drops the last reference to an earlier
+collective's tensor, whose Python object needs the GIL; taking the GIL during finalization ends
+the thread with pthread_exit, whose unwinding through a noexcept destructor calls std::terminate.
+tests/dist_utils.py ends its ranks the same way.
 """
 from __future__ import annotations
 
