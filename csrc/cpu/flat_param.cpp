@@ -60,20 +60,32 @@ constexpr int64_t kVectorCopyMaxBytes = int64_t{1} << 20;
 constexpr int64_t kStreamMinBytes = int64_t{16} << 20;
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) void copy_bytes_avx2(const char* in, char* out, int64_t bytes) {
-  // bytes >= 32. Four 32-byte moves per step, then single ones, then the last 32 bytes (which may
-  // overlap the previous store: same values, as source and destination do not partially overlap).
+// Copies the whole 128-byte steps of `bytes`; returns how many bytes that was. kStream: with
+// streaming stores, which need `out` 32-byte aligned.
+template <bool kStream>
+__attribute__((target("avx2"))) int64_t copy_steps_avx2(const char* in, char* out, int64_t bytes) {
   int64_t i = 0;
   for (; i + 128 <= bytes; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 96));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), a);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 32), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 64), c);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 96), d);
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 32 * k));
+    }
+    for (int k = 0; k < 4; ++k) {
+      auto* to = reinterpret_cast<__m256i*>(out + i + 32 * k);
+      if constexpr (kStream) {
+        _mm256_stream_si256(to, v[k]);
+      } else {
+        _mm256_storeu_si256(to, v[k]);
+      }
+    }
   }
+  return i;
+}
+
+__attribute__((target("avx2"))) void copy_bytes_avx2(const char* in, char* out, int64_t bytes) {
+  // bytes >= 32. 128-byte steps, then single 32-byte moves, then the last 32 bytes (which may
+  // overlap the previous store: same values, as source and destination do not partially overlap).
+  int64_t i = copy_steps_avx2<false>(in, out, bytes);
   for (; i + 32 <= bytes; i += 32) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
@@ -84,26 +96,16 @@ __attribute__((target("avx2"))) void copy_bytes_avx2(const char* in, char* out, 
   }
 }
 
-// The same with streaming stores, which need a 32-byte aligned destination: the unaligned head and
-// the tail go through memcpy. The fence orders the streaming stores before whatever this thread
-// does next (at::parallel_for's join, the caller's reads).
+// The same with streaming stores: the unaligned head and the tail go through memcpy. The fence
+// orders the streaming stores before whatever this thread does next (at::parallel_for's join,
+// the caller's reads).
 __attribute__((target("avx2"))) void stream_bytes_avx2(const char* in, char* out, int64_t bytes) {
   const int64_t head =
       std::min<int64_t>(bytes, (32 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) & 31)) & 31);
   std::memcpy(out, in, head);
-  int64_t i = head;
-  for (; i + 128 <= bytes; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 96), d);
-  }
+  const int64_t done = head + copy_steps_avx2<true>(in + head, out + head, bytes - head);
   _mm_sfence();
-  std::memcpy(out + i, in + i, bytes - i);
+  std::memcpy(out + done, in + done, bytes - done);
 }
 
 // fp32 -> bf16 (optionally scaled first), the same bit operations as float_to_bf16_bits on eight
