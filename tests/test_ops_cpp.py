@@ -285,6 +285,22 @@ def test_fp32_rounding_patterns_match_torch(dtype):
             assert torch.equal(actual.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nan_payloads_agree_between_vector_and_scalar_code(dtype):
+    """NaN payloads are not specified (NaN must stay NaN), but the vector casts keep the scalar
+    code's choice (quiet, sign and top payload bits kept): 30 values, so each pattern lands in
+    vector steps (16 lanes for bf16, 8 for fp16) and, in the last 6, in the scalar tail. For fp16
+    that choice is also torch's."""
+    patterns = [0x7F800001, 0x7FC00000, -0x003FFFFF, 0x7FFFFFFF, 0x7FA02000, -0x007FE000]
+    x = torch.tensor(patterns * 5, dtype=torch.int32).view(torch.float32)
+    actual = torch.empty(len(x), dtype=dtype)
+    ops.pack([x], [0], actual, backend="cpp")
+    bits = actual.view(torch.int16).reshape(5, len(patterns))
+    assert actual.isnan().all() and (bits == bits[-1]).all(), bits  # the last row: the scalar tail
+    if dtype == torch.float16:
+        assert torch.equal(actual.view(torch.int16), x.to(dtype).view(torch.int16))
+
+
 def _t(*shape, dtype=torch.float32, device="cpu"):
     return torch.zeros(shape, dtype=dtype, device=device)
 
