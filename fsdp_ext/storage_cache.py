@@ -17,6 +17,9 @@ import torch
 
 from . import ops
 
+if ops.HAVE_EXTENSION:
+    from . import _C
+
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
 ENABLED = ops.HAVE_EXTENSION and os.environ.get("FSDP_EXT_STORAGE_CACHE", "1") != "0"
 
@@ -29,7 +32,6 @@ def fill(tensor: torch.Tensor) -> None:
     """Give the (empty) storage of `tensor` room for all its elements; contents undefined."""
     nbytes = tensor.numel() * tensor.element_size()
     if _cached(tensor, nbytes):
-        from . import _C
         _C.fill_storage(tensor, nbytes)
     else:
         tensor.untyped_storage().resize_(nbytes)
@@ -38,7 +40,6 @@ def fill(tensor: torch.Tensor) -> None:
 def release(tensor: torch.Tensor) -> None:
     """Free the storage of `tensor` (down to zero bytes); every tensor on it then holds no data."""
     if _cached(tensor, tensor.untyped_storage().nbytes()):
-        from . import _C
         _C.release_storage(tensor)
     else:
         tensor.untyped_storage().resize_(0)
@@ -46,10 +47,9 @@ def release(tensor: torch.Tensor) -> None:
 
 def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(numel), with the block taken from the cache where `fill` would take it from
-    there. Give it back with `release` once nothing reads it (else it is freed as usual)."""
+    there. Give it back with `recycle` once nothing reads it (else it is freed as usual)."""
     nbytes = numel * (torch.finfo(dtype).bits // 8)
     if ENABLED and device.type == "cpu" and nbytes >= MIN_BYTES:
-        from . import _C
         return _C.cached_empty(numel, dtype)
     return torch.empty(numel, dtype=dtype, device=device)
 
@@ -65,12 +65,10 @@ def cached_bytes() -> int:
     """Bytes of freed host blocks the cache holds for reuse."""
     if not ops.HAVE_EXTENSION:
         return 0
-    from . import _C
     return _C.cached_bytes()
 
 
 def empty_cache() -> None:
     """Free the blocks the cache holds (e.g. after training, before something else needs memory)."""
     if ops.HAVE_EXTENSION:
-        from . import _C
         _C.empty_cache()
