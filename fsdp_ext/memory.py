@@ -7,7 +7,8 @@
                 last unit stay allocated from forward to backward)
 
 `cached` is what the host block cache (storage_cache.py) holds for the next refill: freed
-gathered or packed-gradient blocks, at most two per size, process-wide (not in `total`).
+gathered or packed-gradient blocks, at most two per size and twice the largest block in all,
+process-wide (not in `total`).
 `unsharded_unit_max` is the largest single unit's gathered size, so a caller can bound what the
 prefetch depth adds (depth + 1 transient units plus the root). Process RSS also holds activations,
 the allocator's free lists and the libraries; this report is what sharding controls.

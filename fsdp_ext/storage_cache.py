@@ -5,8 +5,9 @@ refilled before the next, so that its views (and what autograd saved) stay valid
 through the system allocator maps fresh pages for every block above glibc's mmap threshold (at
 most 32 MiB): the kernel faults in and zeroes each page again, unit after unit. `fill` and `release`
 go through a small cache of freed blocks instead (csrc/cpu/storage_cache.cpp: at most two per
-size), for CPU blocks of at least MIN_BYTES; anything else, every build without the
-extension, and FSDP_EXT_STORAGE_CACHE=0 in the environment use `resize_` and `torch.empty`.
+size and twice the largest block in all), for CPU blocks of at least MIN_BYTES; anything else,
+every build without the extension, and FSDP_EXT_STORAGE_CACHE=0 in the environment use `resize_`
+and `torch.empty`.
 CUDA has its caching allocator.
 """
 from __future__ import annotations

@@ -34,12 +34,28 @@ def test_release_then_fill_reuses_the_block_and_keeps_views():
 
 
 def test_at_most_two_blocks_of_a_size_are_kept():
-    tensors = [torch.empty(BIG) for _ in range(3)] + [torch.empty(BIG + 1)]
-    for t in tensors:
+    for t in [torch.empty(BIG) for _ in range(3)]:
         storage_cache.release(t)
-    assert storage_cache.cached_bytes() == 2 * BIG * 4 + (BIG + 1) * 4
+    assert storage_cache.cached_bytes() == 2 * BIG * 4
     storage_cache.empty_cache()
     assert storage_cache.cached_bytes() == 0
+
+
+def test_the_cache_holds_at_most_two_of_the_largest_block():
+    # Units of many different sizes: the oldest blocks go first, so the idle total stays at most
+    # twice the largest block instead of one block per unit.
+    sizes = [BIG + 1000 * k for k in range(6)]
+    for numel in sizes:
+        storage_cache.release(torch.empty(numel))
+    assert storage_cache.cached_bytes() == (sizes[-2] + sizes[-1]) * 4
+    newest = torch.empty(sizes[-1])
+    block = newest.data_ptr()
+    storage_cache.release(newest)  # a second block of the largest size pushes out the older one
+    assert storage_cache.cached_bytes() == 2 * sizes[-1] * 4
+    refill = torch.empty(sizes[-1])
+    storage_cache.release(refill)  # a third of that size is not kept
+    storage_cache.fill(refill)
+    assert refill.data_ptr() == block  # the newest kept block of the size is handed out first
 
 
 def test_small_buffers_bypass_the_cache():

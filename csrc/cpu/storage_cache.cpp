@@ -5,14 +5,16 @@
 // stays valid. On CPU each refill of a block above glibc's mmap threshold (32 MiB at most) maps
 // fresh pages: the kernel zeroes and faults in every page again, for every unit, twice per step
 // (about 600k page faults per step and rank for the 201.6M-parameter benchmark model). Here a
-// freed block is kept, up to kKeepPerSize blocks of each (allocator, size), and handed to the next
-// storage of that size. CUDA storages never come here: the CUDA caching allocator already does this.
+// freed block is kept (see kKeepPerSize for how many) and handed to the next storage of its
+// (allocator, size). CUDA storages never come here: the CUDA caching allocator already does this.
 #include "../storage_cache.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <torch/extension.h>
 
-#include <map>
+#include <algorithm>
+#include <deque>
+#include <iterator>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -22,13 +24,22 @@ namespace {
 
 // Enough for the steady state of one prefetch depth: a unit's buffer is freed just before the next
 // one of the same size is needed (forward: reshard, then prefetch; backward: reshard and the
-// finished reduction, then the packed gradients and the prefetch).
+// finished reduction, then the packed gradients and the prefetch). The cache as a whole holds at
+// most kKeepPerSize blocks of the largest size it has seen, dropping the oldest first, so a model
+// whose units all differ in size keeps a couple of idle blocks, not one per unit.
 constexpr size_t kKeepPerSize = 2;
+
+struct Block {
+  c10::Allocator* allocator;
+  size_t nbytes;
+  c10::DataPtr data;
+};
 
 struct Cache {
   std::mutex mutex;
-  std::map<std::pair<c10::Allocator*, size_t>, std::vector<c10::DataPtr>> blocks;
+  std::deque<Block> blocks;  // oldest first
   size_t bytes = 0;
+  size_t largest = 0;
 };
 
 Cache& cache() {
@@ -49,12 +60,13 @@ c10::DataPtr take_block(c10::Allocator* allocator, size_t nbytes) {
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
-    auto found = c.blocks.find({allocator, nbytes});
-    if (found != c.blocks.end() && !found->second.empty()) {
-      c10::DataPtr block = std::move(found->second.back());
-      found->second.pop_back();
-      c.bytes -= nbytes;
-      return block;
+    for (auto it = c.blocks.rbegin(); it != c.blocks.rend(); ++it) {  // the newest first
+      if (it->allocator == allocator && it->nbytes == nbytes) {
+        c10::DataPtr block = std::move(it->data);
+        c.blocks.erase(std::next(it).base());
+        c.bytes -= nbytes;
+        return block;
+      }
     }
   }
   return allocator->allocate(nbytes);
@@ -63,12 +75,22 @@ c10::DataPtr take_block(c10::Allocator* allocator, size_t nbytes) {
 // Keeps the block if there is room for it; otherwise it is freed when the caller's copy goes.
 void give_block(c10::Allocator* allocator, size_t nbytes, c10::DataPtr block) {
   if (block.get() == nullptr || nbytes == 0) return;
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  auto& kept = c.blocks[{allocator, nbytes}];
-  if (kept.size() < kKeepPerSize) {
-    kept.push_back(std::move(block));
+  std::vector<Block> dropped;  // freed after the lock is released
+  {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    const auto same = std::count_if(c.blocks.begin(), c.blocks.end(), [&](const Block& b) {
+      return b.allocator == allocator && b.nbytes == nbytes;
+    });
+    if (static_cast<size_t>(same) >= kKeepPerSize) return;
+    c.blocks.push_back(Block{allocator, nbytes, std::move(block)});
     c.bytes += nbytes;
+    c.largest = std::max(c.largest, nbytes);
+    while (c.bytes > kKeepPerSize * c.largest) {
+      c.bytes -= c.blocks.front().nbytes;
+      dropped.push_back(std::move(c.blocks.front()));
+      c.blocks.pop_front();
+    }
   }
 }
 
@@ -111,7 +133,7 @@ size_t cached_bytes() {
 }
 
 void empty_cache() {
-  std::map<std::pair<c10::Allocator*, size_t>, std::vector<c10::DataPtr>> dropped;
+  std::deque<Block> dropped;
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
