@@ -25,14 +25,14 @@ MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh
 ENABLED = ops.HAVE_EXTENSION and os.environ.get("FSDP_EXT_STORAGE_CACHE", "1") != "0"
 
 
-def _cached(tensor: torch.Tensor, nbytes: int) -> bool:
-    return ENABLED and tensor.device.type == "cpu" and nbytes >= MIN_BYTES
+def _cached(device: torch.device, nbytes: int) -> bool:
+    return ENABLED and device.type == "cpu" and nbytes >= MIN_BYTES
 
 
 def fill(tensor: torch.Tensor) -> None:
     """Give the (empty) storage of `tensor` room for all its elements; contents undefined."""
     nbytes = tensor.numel() * tensor.element_size()
-    if _cached(tensor, nbytes):
+    if _cached(tensor.device, nbytes):
         _C.fill_storage(tensor, nbytes)
     else:
         tensor.untyped_storage().resize_(nbytes)
@@ -40,7 +40,7 @@ def fill(tensor: torch.Tensor) -> None:
 
 def release(tensor: torch.Tensor) -> None:
     """Free the storage of `tensor` (down to zero bytes); every tensor on it then holds no data."""
-    if _cached(tensor, tensor.untyped_storage().nbytes()):
+    if _cached(tensor.device, tensor.untyped_storage().nbytes()):
         _C.release_storage(tensor)
     else:
         tensor.untyped_storage().resize_(0)
@@ -49,8 +49,7 @@ def release(tensor: torch.Tensor) -> None:
 def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(numel), with the block taken from the cache where `fill` would take it from
     there. Give it back with `recycle` once nothing reads it (else it is freed as usual)."""
-    nbytes = numel * (torch.finfo(dtype).bits // 8)
-    if ENABLED and device.type == "cpu" and nbytes >= MIN_BYTES:
+    if _cached(device, numel * dtype.itemsize):
         return _C.cached_empty(numel, dtype)
     return torch.empty(numel, dtype=dtype, device=device)
 
@@ -58,7 +57,7 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def recycle(tensor: torch.Tensor) -> None:
     """Done with a buffer from `empty`: its block goes back to the cache if it came from there
     (every tensor on its storage then holds no data); otherwise nothing happens here."""
-    if _cached(tensor, tensor.untyped_storage().nbytes()):
+    if _cached(tensor.device, tensor.untyped_storage().nbytes()):
         release(tensor)
 
 
