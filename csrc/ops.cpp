@@ -3,6 +3,7 @@
 // Kernels register against these schemas in csrc/cpu/flat_param.cpp (CPU) and
 // csrc/cuda/flat_param.cu (CUDA); the semantics are fsdp_ext/ops/reference.py, and the fake
 // (meta) implementations used by torch.compile live in fsdp_ext/ops/fake.py.
+#include "issue_thread.h"
 #include "storage_cache.h"
 
 #include <pybind11/pybind11.h>
@@ -26,8 +27,10 @@ TORCH_LIBRARY(fsdp_ext, m) {
 }
 
 // Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself
-// exposes only the host storage cache (fsdp_ext/storage_cache.py).
+// exposes the host storage cache (fsdp_ext/storage_cache.py) and the CPU issue thread
+// (fsdp_ext/comm.py).
 PYBIND11_MODULE(_C, module) {
   module.doc() = "fsdp_ext compiled ops; use torch.ops.fsdp_ext.* (see fsdp_ext.ops)";
   fsdp_ext::register_storage_cache(module);
+  fsdp_ext::register_issue_thread(module);
 }

@@ -5,10 +5,13 @@ the tensors it reads and writes until someone waits on it (no `record_stream`):
   * CUDA/NCCL: the collective runs on a side stream after that stream waited for the compute stream;
     an event marks its end, and the consumer's stream waits on that event.
   * CPU/gloo: the collective is issued with `async_op=True`; gloo runs it on its own thread, and
-    waiting on the work handle is the synchronisation.
+    waiting on the work handle is the synchronisation. A unit's all-gather (copy-in and issue) is
+    moreover queued on the issue thread (csrc/cpu/issue_thread.cpp), the CPU counterpart of the
+    all-gather stream, so that neither costs the compute thread.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -16,10 +19,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import ops
 from .debug import CollectiveError
 
-_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+if ops.HAVE_EXTENSION:
+    from . import _C
+    # Everything queued is issued before the interpreter finalizes (the thread holds tensors).
+    atexit.register(_C.drain_issue_thread)
+
+_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
+_ISSUE_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
+_ISSUE_GROUP_BY_GROUP: dict[dist.ProcessGroup, dist.ProcessGroup] = {}  # the lookup, per call
 TIMEOUT_ENV = "FSDP_EXT_COLLECTIVE_TIMEOUT_S"
+ISSUE_THREAD_ENV = "FSDP_EXT_ISSUE_THREAD"  # "0": CPU all-gathers are issued by the compute thread
 
 
 def collective_timeout(seconds: float | datetime.timedelta | None = None) -> datetime.timedelta | None:
@@ -78,12 +90,34 @@ class Groups:
         return dist.get_rank(self.post_forward) if self.post_forward is not None else 0
 
 
+def _group_once(cache: dict, global_ranks) -> dist.ProcessGroup:
+    # Keyed by the default group too: after destroy_process_group and a new init, groups of the
+    # old world are dead even where their ranks match.
+    key = (dist.group.WORLD, tuple(global_ranks))
+    if key not in cache:
+        cache[key] = dist.new_group(list(global_ranks), use_local_synchronization=True)
+    return cache[key]
+
+
 def subgroup(global_ranks: list[int]) -> dist.ProcessGroup:
     """A process group over `global_ranks`, created once (only its members need to call this)."""
-    key = tuple(global_ranks)
-    if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = dist.new_group(list(key), use_local_synchronization=True)
-    return _GROUP_CACHE[key]
+    return _group_once(_GROUP_CACHE, global_ranks)
+
+
+def issue_thread_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A second process group over the ranks of `group`, used only by the issue thread.
+
+    The members of a process group must issue its collectives in the same order; the compute
+    thread's collectives (gradient reductions, checks) and the issue thread's all-gathers
+    interleave differently on every rank, so each kind gets its own group. Created on first use,
+    which every member reaches at the same point of the same unit's first all-gather.
+    """
+    if group is None:
+        return None
+    if (found := _ISSUE_GROUP_BY_GROUP.get(group)) is None:
+        found = _ISSUE_GROUP_BY_GROUP[group] = _group_once(
+            _ISSUE_GROUP_CACHE, dist.get_process_group_ranks(group))
+    return found
 
 
 def post_forward_group(shard: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup | None:
@@ -100,6 +134,21 @@ def post_forward_group(shard: dist.ProcessGroup | None, size: int) -> dist.Proce
     return subgroup(ranks[start:start + size])
 
 
+def issue_thread_enabled() -> bool:
+    """CPU all-gathers go through the issue thread unless FSDP_EXT_ISSUE_THREAD=0 (or the compiled
+    extension is missing): then the compute thread issues them itself."""
+    return ops.HAVE_EXTENSION and os.environ.get(ISSUE_THREAD_ENV, "1") != "0"
+
+
+def issue_all_gather(fulls: list[torch.Tensor], sources: list[torch.Tensor], slot: int,
+                     group: dist.ProcessGroup | None, label: str,
+                     timeout: datetime.timedelta | None) -> "Pending":
+    """Queue on the issue thread: copy each source into slot `slot` of its (filled) flat buffer,
+    then gather the other slots over `group` (an issue_thread_group) by one broadcast per rank."""
+    job = _C.issue_all_gather(fulls, sources, slot, group)
+    return Pending(keep_alive=[*fulls, *sources], label=label, timeout=timeout, job=job)
+
+
 @dataclass
 class Pending:
     """Collectives in flight and everything they touch; `wait()` makes their results usable."""
@@ -109,9 +158,13 @@ class Pending:
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
     timeout: datetime.timedelta | None = None         # see collective_timeout()
+    job: object = None                                # queued on the issue thread (_C._IssuedGather)
 
     def wait(self) -> None:
         try:
+            if self.job is not None:  # issued and waited for in one call, without the GIL
+                job, self.job = self.job, None
+                job.wait(self.timeout.total_seconds() if self.timeout is not None else None)
             for work in self.works:
                 wait_work(work, self.timeout)
         except Exception as exc:  # a dead peer or a timeout: say which collective it was
@@ -127,11 +180,12 @@ class Pending:
 
 
 class Streams:
-    """Side streams for collectives on CUDA; on CPU everything is a no-op."""
+    """Side streams for collectives on CUDA; on CPU, the issue thread for all-gathers."""
 
     def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None):
         self.cuda = device.type == "cuda"
         self.timeout = timeout
+        self.issue_thread = not self.cuda and issue_thread_enabled()
         if self.cuda:
             # High priority: a delayed collective delays every unit behind it.
             self.all_gather = torch.cuda.Stream(device=device, priority=-1)

@@ -42,6 +42,7 @@ class Schedule:
         self._backward_queued = False
         self.pending_reduce_scatters: deque = deque()
         self.peak_transient_unsharded = 0
+        self.transient_in_flight: set[Unit] = set()  # kept by unshard/reshard: O(1) to count
 
     @classmethod
     def create(cls, root: Unit) -> "Schedule":
@@ -156,12 +157,18 @@ class Schedule:
 
     # ---- prefetch and the in-flight bound -----------------------------------------------------------
     def transient_unsharded(self) -> int:
-        """Units freed between uses whose gathered buffers hold memory right now."""
-        return sum(1 for u in self.units if u.transient and u.holds_unsharded_memory())
+        """Units freed between uses that are unsharded or being gathered (their buffers hold
+        memory)."""
+        return len(self.transient_in_flight)
 
-    def note_unshard(self) -> None:
-        self.peak_transient_unsharded = max(self.peak_transient_unsharded,
-                                            self.transient_unsharded())
+    def note_unshard(self, unit: Unit) -> None:
+        if unit.transient:
+            self.transient_in_flight.add(unit)
+            self.peak_transient_unsharded = max(self.peak_transient_unsharded,
+                                                len(self.transient_in_flight))
+
+    def note_reshard(self, unit: Unit) -> None:
+        self.transient_in_flight.discard(unit)
 
     def _prefetch(self, order: list[Unit], current: Unit, depth: int) -> None:
         if depth <= 0 or current not in order:

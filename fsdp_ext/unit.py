@@ -84,6 +84,7 @@ class Unit:
         self.post_forward_chunks: list[torch.Tensor] | None = None
         self.pre_backward_done = False
         self.grad_bucket_indices = [i for i, b in enumerate(self.buckets) if b.requires_grad]
+        self._plain_views: list[tuple[nn.Module, str, torch.Tensor]] | None = None
         self.bucket_grads = [BucketGrads() for _ in self.buckets]
         self._init_sharded_state()
         self._handles = [
@@ -126,30 +127,45 @@ class Unit:
         """Issue the all-gathers of every bucket (no-op if unsharded or already in flight)."""
         if self.unsharded or self.pending_unshard is not None:
             return
-        regather = self.post_forward_chunks is not None
-        group = self.groups.post_forward if regather else self.groups.shard
+        chunks, self.post_forward_chunks = self.post_forward_chunks, None
+        if chunks is not None:  # regather from the smaller post-forward group
+            group, slot = self.groups.post_forward, self.groups.post_forward_rank
+        else:
+            group, slot = self.groups.shard, self.groups.shard_rank
+        schedule = self.schedule
         for i, bucket in enumerate(self.buckets):
-            self.schedule.checker.check(group, "all_gather", self.name, i, bucket.numel_padded,
-                                        self.full[i].dtype)
+            schedule.checker.check(group, "all_gather", self.name, i, bucket.numel_padded,
+                                   self.full[i].dtype)
         RECORDER.add("all_gather.issue", self.name)
+        label = f"all_gather of unit '{self.name or '<root>'}'"
         with profiler_range("all_gather", self.name):
-            self.pending_unshard = self.schedule.streams.launch(
-                "all_gather", self._all_gather_fn, keep_alive=[],
-                label=f"all_gather of unit '{self.name or '<root>'}'")
-        RECORDER.add("all_gather.issued", self.name)  # launched: copy-in done, collective queued
-        self.schedule.note_unshard()
+            if schedule.streams.issue_thread:  # CPU: copy-in and broadcasts off this thread
+                sources = chunks if chunks is not None else [b.shard for b in self.buckets]
+                for full in self.full_data:
+                    storage_cache.fill(full)
+                self.pending_unshard = comm.issue_all_gather(
+                    self.full_data, sources, slot, comm.issue_thread_group(group), label,
+                    schedule.streams.timeout)
+            else:
+                self.pending_unshard = schedule.streams.launch(
+                    "all_gather", lambda async_op: self._all_gather_fn(chunks, group, slot, async_op),
+                    keep_alive=[], label=label)
+        RECORDER.add("all_gather.issued", self.name)  # launched: collective queued
+        schedule.note_unshard(self)
         if not async_op:
             self.wait_unshard()
 
-    def _all_gather_fn(self, async_op: bool) -> list:
+    def _all_gather_fn(self, chunks: list[torch.Tensor] | None, group, slot: int,
+                       async_op: bool) -> list:
+        """Fill each bucket's `full` buffer, copy this rank's shard (or post-forward chunk) into
+        `slot`, then gather the other slots."""
         works = []
-        chunks = self.post_forward_chunks
         for i, (bucket, full) in enumerate(zip(self.buckets, self.full_data)):
             storage_cache.fill(full)
-            if chunks is not None:  # regather from the smaller post-forward group
-                source, slot, group = chunks[i], self.groups.post_forward_rank, self.groups.post_forward
+            if chunks is not None:
+                source = chunks[i]
             else:
-                source, slot, group = bucket.shard, self.groups.shard_rank, self.groups.shard
+                source = bucket.shard
                 if self.offload is not None:
                     source = to_compute_device(source, full.device)
             with profiler_range("copy_in", self.name):
@@ -157,7 +173,6 @@ class Unit:
             if group is not None:
                 slot_view = full.narrow(0, slot * source.numel(), source.numel())
                 works.append(comm.all_gather_into(full, slot_view, group, async_op))
-        self.post_forward_chunks = None
         return works
 
     def check_params_unchanged(self) -> None:
@@ -210,6 +225,7 @@ class Unit:
         for full in self.full_data:
             storage_cache.release(full)
         self.unsharded = False
+        self.schedule.note_reshard(self)
         RECORDER.add("reshard", self.name)
 
     def bucket_views(self, index: int, full: torch.Tensor) -> list[torch.Tensor]:
@@ -219,8 +235,12 @@ class Unit:
 
     def use_unsharded_params(self) -> None:
         """Point every module attribute at a view of the gathered buffers (no copy-out)."""
+        if not torch.is_grad_enabled():
+            for module, attr, view in self._no_grad_views():
+                module._parameters[attr] = view
+            return
         views: dict[int, torch.Tensor] = {}
-        tracked = torch.is_grad_enabled() and self.grad_bucket_indices
+        tracked = bool(self.grad_bucket_indices)
         if tracked:
             fulls = [self.full[i] for i in self.grad_bucket_indices]
             flat_views = iter(_UnshardedViews.apply(self, *fulls))
@@ -236,6 +256,18 @@ class Unit:
             for slot in bucket.slots:
                 for module, attr in slot.locations:
                     module._parameters[attr] = views[id(slot)]
+
+    def _no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """(module, attribute, view of the gathered buffer) for every parameter, made once under
+        no_grad and kept: the buffers are refilled in their own storages, so views stay valid."""
+        if self._plain_views is None:
+            with torch.no_grad():
+                self._plain_views = [
+                    (module, attr, view)
+                    for i, (bucket, full) in enumerate(zip(self.buckets, self.full))
+                    for slot, view in zip(bucket.slots, self.bucket_views(i, full))
+                    for module, attr in slot.locations]
+        return self._plain_views
 
     def use_sharded_params(self) -> None:
         for bucket in self.buckets:
@@ -256,10 +288,13 @@ class Unit:
         RECORDER.add("forward.begin", self.name)
         self.unshard()
         self.wait_unshard()
-        schedule.prefetch_forward(self)
         self.use_unsharded_params()
+        args_kwargs = cast_floating((args, kwargs), self._input_dtype())
+        # Last, so that this thread's work above is done before the next unit's all-gather
+        # starts to compete with it for the cores (gloo moves the bytes with CPU time).
+        schedule.prefetch_forward(self)
         begin_range("forward", self)  # compute only: the all-gather wait is its own range
-        return cast_floating((args, kwargs), self._input_dtype())
+        return args_kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         schedule = self.schedule
