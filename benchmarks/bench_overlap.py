@@ -69,10 +69,11 @@ def build_chain(d: int, k: int, units: int, sleep_s: float = 0.0) -> nn.Sequenti
     return nn.Sequential(*(MatmulUnit(d, k, sleep_s) for _ in range(units)))
 
 
-def shard_chain(d: int, k: int, units: int, depth: int, sleep_s: float) -> nn.Sequential:
+def shard_chain(d: int, k: int, units: int, depth: int, sleep_s: float,
+                process_group=None) -> nn.Sequential:
     import fsdp_ext
     chain = build_chain(d, k, units, sleep_s)
-    opts = dict(forward_prefetch=depth, backward_prefetch=depth)
+    opts = dict(forward_prefetch=depth, backward_prefetch=depth, process_group=process_group)
     for unit in chain:
         fsdp_ext.fully_shard(unit, **opts)
     return fsdp_ext.fully_shard(chain, **opts)

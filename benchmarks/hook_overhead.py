@@ -1,0 +1,165 @@
+"""Where the exposed time of bench_overlap's `sleep` rows goes: the compute thread's own work per unit.
+
+Runs bench_overlap's sleep chain (12 units, d x d weights, k sleeps of 2 ms) on --world-size gloo
+ranks, plain and sharded at prefetch depth 1, and splits each unit's time on rank 0 into
+    pre      from the module call to its forward (the runtime's pre-forward hook: waiting for
+             this unit's all-gather, pointing the parameters at it, issuing the next one)
+    compute  the forward itself (the sleeps)
+    post     from the forward's end to the call's return (the post-forward hook: reshard)
+with timestamps from an outer pre-hook, the forward, and an outer post-hook. Then the same hooks
+with nothing to gather (each rank sharding over a group of itself, d = 64) after sleeps and in a
+tight loop (k = 0), and, after a sleep of --sleep-ms, how long a Python no-op and a wait on an
+all-gather that has long finished take: the price of running cold.
+
+    python benchmarks/hook_overhead.py
+    python benchmarks/hook_overhead.py --d 1024 --k 4
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import bench_overlap  # noqa: E402
+from exit_worker import exit_without_finalization  # noqa: E402
+from results_io import machine, machine_line  # noqa: E402
+
+UNITS = 12
+SLEEP_S = 0.002
+
+
+def _phases(chain, x, reps: int) -> dict[str, list[float]]:
+    """Per-unit pre/compute/post seconds (unit index i at position i of every rep's run)."""
+    stamps: list[float] = []
+    clock = time.perf_counter
+    forward = bench_overlap.MatmulUnit.forward
+
+    def timed_forward(self, inp):
+        stamps.append(clock())
+        out = forward(self, inp)
+        stamps.append(clock())
+        return out
+
+    handles = []
+    for unit in chain:
+        handles.append(unit.register_forward_pre_hook(lambda *_: stamps.append(clock()),
+                                                      prepend=True))
+        handles.append(unit.register_forward_hook(lambda *_: stamps.append(clock())))
+    bench_overlap.MatmulUnit.forward = timed_forward
+    out = {"pre": [], "compute": [], "post": [], "forward": []}
+    try:
+        for _ in range(reps):
+            stamps.clear()
+            dist.barrier()
+            t0 = clock()
+            chain(x)
+            out["forward"].append(clock() - t0)
+            for i in range(0, len(stamps), 4):
+                begin, f0, f1, end = stamps[i:i + 4]
+                out["pre"].append(f0 - begin)
+                out["compute"].append(f1 - f0)
+                out["post"].append(end - f1)
+    finally:
+        bench_overlap.MatmulUnit.forward = forward
+        for h in handles:
+            h.remove()
+    return out
+
+
+def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
+    """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
+    from fsdp_ext import comm
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = comm.issue_thread_group(dist.group.WORLD) if comm.issue_thread_enabled() else None
+    n = 1 << 18
+    full, shard = torch.empty(n * world), torch.randn(n)
+    noop, wait = [], []
+    for _ in range(reps):
+        dist.barrier()
+        time.sleep(sleep_s)
+        t0 = time.perf_counter()
+        len(())
+        noop.append(time.perf_counter() - t0)
+        if group is not None:
+            pending = comm.issue_all_gather([full], [shard], rank, group, "probe", None)
+        else:
+            pending = comm.Pending(works=[comm.all_gather_into(full, full.narrow(0, rank * n, n),
+                                                               None, True)])
+        time.sleep(sleep_s)
+        t0 = time.perf_counter()
+        pending.wait()
+        wait.append(time.perf_counter() - t0)
+    return dict(noop_us=1e6 * statistics.median(noop), wait_us=1e6 * statistics.median(wait))
+
+
+def worker(rank: int, world_size: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300))
+    from fsdp_ext import comm
+    alone = comm.subgroup([rank])  # every hook runs, nothing to gather from peers
+    configs = [(f"d={args.d}, k={args.k}, world {world_size}", args.d, args.k, None),
+               (f"d=64, k={args.k}, one-rank group", 64, args.k, alone),
+               ("d=64, k=0, one-rank group (no sleep)", 64, 0, alone)]
+    results = {}
+    with torch.no_grad():
+        for label, d, k, group in configs:
+            x = torch.randn(32, d)
+            plain = bench_overlap.build_chain(d, k, UNITS, SLEEP_S)
+            sharded = bench_overlap.shard_chain(d, k, UNITS, 1, SLEEP_S, process_group=group)
+            for chain in (plain, sharded, plain, sharded):  # warm-up; records the order
+                chain(x)
+            results[label] = {name: _phases(chain, x, args.reps)
+                              for name, chain in (("plain", plain), ("sharded", sharded))}
+        cold = _cold_costs(args.sleep_ms / 1e3, args.reps)
+    if rank == 0:
+        report(results, cold, args)
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_finalization()
+
+
+def report(results: dict, cold: dict, args) -> None:
+    ms = lambda v: f"{1e3 * statistics.median(v):.3f}"  # noqa: E731
+    print(f"hook_overhead: d={args.d}, {UNITS} units, world {args.world_size}, "
+          f"medians of {args.reps} forwards; {machine_line(machine())}")
+    print("| run | chain | forward (ms) | unit 0 pre (ms) | later units: pre (ms) | post (ms) |")
+    print("|---|---|---|---|---|---|")
+    for label, runs in results.items():
+        for name, p in runs.items():
+            first = p["pre"][0::UNITS]
+            later = [v for i, v in enumerate(p["pre"]) if i % UNITS]
+            print(f"| {label} | {name} | {ms(p['forward'])} | {ms(first)} | {ms(later)} | "
+                  f"{ms(p['post'])} |")
+    print(f"after a {args.sleep_ms:g} ms sleep: a Python no-op call {cold['noop_us']:.1f} us, "
+          f"the wait on a finished all-gather {cold['wait_us']:.1f} us")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--d", type=int, default=1024, help="unit: a d x d fp32 weight")
+    p.add_argument("--k", type=int, default=4, help="sleeps of 2 ms per unit")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--sleep-ms", type=float, default=5.0)
+    args = p.parse_args()
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()
