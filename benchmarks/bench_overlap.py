@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from exit_worker import exit_without_finalization  # noqa: E402
+from launch import free_port  # noqa: E402
 from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
 
 DEPTHS = (0, 1, 2)
@@ -221,10 +222,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.pt")
         mp.spawn(worker, args=(args.world_size, port, args, path), nprocs=args.world_size,

@@ -35,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from exit_worker import exit_without_finalization  # noqa: E402
+from launch import free_port  # noqa: E402
 import plan_check  # noqa: E402
 import rss  # noqa: E402
 from tensor_memory import TensorMemory  # noqa: E402
@@ -219,20 +220,13 @@ def timing_worker(rank: int, world_size: int, port: int, args, path: str) -> Non
     exit_without_finalization()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_all(args) -> dict:
     """Phase 1 per framework (fresh processes), then phase 2 (one launch); merged results."""
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.frameworks:
             path = os.path.join(tmp, f"{name}.pt")
-            mp.spawn(memory_worker, args=(args.world_size, _free_port(), args, name, path),
+            mp.spawn(memory_worker, args=(args.world_size, free_port(), args, name, path),
                      nprocs=args.world_size, join=True)
             results[name] = torch.load(path, weights_only=False)
         meta = results[args.frameworks[0]]
@@ -241,12 +235,12 @@ def run_all(args) -> dict:
                 r["times"] = r["alone_times"]
                 r["cpu"] = [statistics.mean(c) for c in zip(*(x["cpu"] for x in r["ranks"]))]
             path = os.path.join(tmp, "plan.pt")
-            mp.spawn(plan_worker, args=(args.world_size, _free_port(), args, path),
+            mp.spawn(plan_worker, args=(args.world_size, free_port(), args, path),
                      nprocs=args.world_size, join=True)
             prediction = torch.load(path, weights_only=False)
         else:
             path = os.path.join(tmp, "timing.pt")
-            mp.spawn(timing_worker, args=(args.world_size, _free_port(), args, path),
+            mp.spawn(timing_worker, args=(args.world_size, free_port(), args, path),
                      nprocs=args.world_size, join=True)
             timing = torch.load(path, weights_only=False)
             prediction = timing.pop("__plan__")

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import bench_overlap  # noqa: E402
 from exit_worker import exit_without_finalization  # noqa: E402
+from launch import free_port  # noqa: E402
 from results_io import machine, machine_line  # noqa: E402
 
 UNITS = 12
@@ -154,10 +155,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sleep-ms", type=float, default=5.0)
     args = p.parse_args()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from bench_step import _free_port  # noqa: E402
+from launch import free_port  # noqa: E402
 from exit_worker import exit_without_finalization  # noqa: E402
 from step_frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap  # noqa: E402
 
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
-    mp.spawn(worker, args=(args.world_size, _free_port(), args), nprocs=args.world_size)
+    mp.spawn(worker, args=(args.world_size, free_port(), args), nprocs=args.world_size)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from launch import free_port  # noqa: E402
 from step_frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap  # noqa: E402
 
 
@@ -86,10 +87,7 @@ def main() -> None:
                    help="just run the steps (for py-spy record --subprocesses --native)")
     p.add_argument("--out", default="/tmp/fsdp_ext_profile")
     args = p.parse_args()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
 
 
