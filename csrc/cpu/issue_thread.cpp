@@ -6,7 +6,11 @@
 // 0.2 ms for a 2 MiB shard here) and one Python-level collective call per rank, for every unit;
 // that time is spent before the unit's compute starts, so no prefetch can hide it. A Python helper
 // thread would move the work but not the cost: its Python code and the compute thread's hooks
-// take turns on the GIL. This thread never touches Python.
+// take turns on the GIL.
+//
+// The thread never drops a reference to a tensor it was given: dropping one that Python also
+// holds can take the GIL, which a thread outside Python should not need (it may be gone, or
+// ending, when the interpreter finalizes); the waiting thread releases them.
 //
 // Collectives of one process group must be issued in the same order on every member. Everything
 // submitted here goes to process groups that only this thread uses (see
@@ -68,10 +72,6 @@ class GatherJob {
       works_ = std::move(works);
       error_ = std::move(error);
       done_ = true;
-      // The tensors are referenced by the broadcasts' work handles from here on; the caller
-      // keeps its own references until it waited.
-      fulls_.clear();
-      sources_.clear();
     }
     cv_.notify_all();
   }
@@ -79,7 +79,17 @@ class GatherJob {
   // Blocks (without the GIL) until issued and every broadcast finished; raises what issuing or
   // a broadcast raised (a peer that died, or `timeout_s` passed).
   void wait(std::optional<double> timeout_s) {
-    pybind11::gil_scoped_release no_gil;
+    {
+      pybind11::gil_scoped_release no_gil;
+      wait_works(timeout_s);
+    }
+    // Here, with the GIL: dropping a reference to a tensor that Python also holds can need it.
+    fulls_.clear();
+    sources_.clear();
+  }
+
+ private:
+  void wait_works(std::optional<double> timeout_s) {
     const auto start = std::chrono::steady_clock::now();
     const auto bound = std::chrono::duration<double>(timeout_s.value_or(0.0));
     std::vector<WorkPtr> works;
@@ -106,7 +116,6 @@ class GatherJob {
     }
   }
 
- private:
   std::vector<WorkPtr> issue() {
     at::ThreadLocalStateGuard state_guard(state_);
     // The copy-in's parallel loops use as many threads as the submitting thread would have.
