@@ -194,7 +194,11 @@ def check_no_grad_frees_everything(rank: int, world_size: int) -> None:
     reference = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=3, n_head=2, d_model=16))
     model = _shard_children((Block,))(copy.deepcopy(reference))
     idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(rank))
-    for mode in ("no_grad", "eval", "inference_mode"):
+    for mode in ("no_grad", "eval", "inference_mode", "no_grad after an update"):
+        if mode.endswith("update"):  # no-grad views are made once: they must see new values
+            with torch.no_grad():
+                for p in [*model.parameters(), *reference.parameters()]:
+                    p.mul_(0.5)
         model.eval() if mode == "eval" else model.train()
         ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
         with ctx:
