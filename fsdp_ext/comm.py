@@ -145,8 +145,8 @@ def issue_all_gather(fulls: list[torch.Tensor], sources: list[torch.Tensor], slo
                      timeout: datetime.timedelta | None) -> "Pending":
     """Queue on the issue thread: copy each source into slot `slot` of its (filled) flat buffer,
     then gather the other slots over `group` (an issue_thread_group) by one broadcast per rank."""
-    job = _C.issue_all_gather(fulls, sources, slot, group)
-    return Pending(keep_alive=[*fulls, *sources], label=label, timeout=timeout, job=job)
+    job = _C.issue_all_gather(fulls, sources, slot, group)  # holds the tensors until waited
+    return Pending(label=label, timeout=timeout, job=job)
 
 
 @dataclass

@@ -84,7 +84,7 @@ class Unit:
         self.post_forward_chunks: list[torch.Tensor] | None = None
         self.pre_backward_done = False
         self.grad_bucket_indices = [i for i, b in enumerate(self.buckets) if b.requires_grad]
-        self._plain_views: list[tuple[nn.Module, str, torch.Tensor]] | None = None
+        self._no_grad_view_cache: list[tuple[nn.Module, str, torch.Tensor]] | None = None
         self.bucket_grads = [BucketGrads() for _ in self.buckets]
         self._init_sharded_state()
         self._handles = [
@@ -260,14 +260,14 @@ class Unit:
     def _no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """(module, attribute, view of the gathered buffer) for every parameter, made once under
         no_grad and kept: the buffers are refilled in their own storages, so views stay valid."""
-        if self._plain_views is None:
+        if self._no_grad_view_cache is None:
             with torch.no_grad():
-                self._plain_views = [
+                self._no_grad_view_cache = [
                     (module, attr, view)
                     for i, (bucket, full) in enumerate(zip(self.buckets, self.full))
                     for slot, view in zip(bucket.slots, self.bucket_views(i, full))
                     for module, attr in slot.locations]
-        return self._plain_views
+        return self._no_grad_view_cache
 
     def use_sharded_params(self) -> None:
         for bucket in self.buckets:

@@ -8,9 +8,10 @@
 // thread would move the work but not the cost: its Python code and the compute thread's hooks
 // take turns on the GIL.
 //
-// The thread never drops a reference to a tensor it was given: dropping one that Python also
-// holds can take the GIL, which a thread outside Python should not need (it may be gone, or
-// ending, when the interpreter finalizes); the waiting thread releases them.
+// A job's tensors are released by the thread that waits on it, with the GIL held: dropping a
+// reference to a tensor Python also holds can take the GIL, which this thread should not need.
+// Only a job dropped unwaited (an error path) is freed here, taking the GIL then; exit drains
+// the queue before the interpreter finalizes, so that happens before.
 //
 // Collectives of one process group must be issued in the same order on every member. Everything
 // submitted here goes to process groups that only this thread uses (see
@@ -190,6 +191,7 @@ class IssueThread {
         queue_.pop_front();
       }
       job->run();
+      job.reset();  // before the count drops: drain() then covers freeing an unwaited job
       {
         std::lock_guard<std::mutex> lock(mutex_);
         --pending_;
