@@ -75,3 +75,13 @@ def global_mean(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone()
     dist.all_reduce(value)
     return value / dist.get_world_size()
+
+
+def on_world_and_last_two(check, rank: int, world_size: int, *args) -> None:
+    """check(group, group_rank, group_size, *args) over the world, then over a subgroup of the
+    last two ranks (on its members), where group ranks differ from global ones."""
+    check(dist.group.WORLD, rank, world_size, *args)
+    members = [world_size - 2, world_size - 1]
+    group = dist.new_group(members)
+    if rank in members:
+        check(group, members.index(rank), 2, *args)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fsdp_ext import comm
 
-from .dist_utils import run_distributed
+from .dist_utils import on_world_and_last_two, run_distributed
 
 
 def _gather_several(group, rank: int, world: int, gen: torch.Generator) -> None:
@@ -35,12 +35,8 @@ def _gather_several(group, rank: int, world: int, gen: torch.Generator) -> None:
 
 def check_all_gather(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(100 + rank)
-    _gather_several(dist.group.WORLD, rank, world_size, gen)
-    # A subgroup of the last two ranks: broadcast sources are global ranks, chunks group ranks.
-    members = [world_size - 2, world_size - 1]
-    group = dist.new_group(members)
-    if rank in members:
-        _gather_several(group, members.index(rank), 2, gen)
+    # In the subgroup broadcast sources are global ranks, chunks group ranks.
+    on_world_and_last_two(_gather_several, rank, world_size, gen)
 
 
 def test_cpu_all_gather_matches_gloo_three_ranks():

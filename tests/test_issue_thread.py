@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fsdp_ext import comm, ops
 
-from .dist_utils import run_distributed
+from .dist_utils import on_world_and_last_two, run_distributed
 from .parity import cases_for, run_case
 
 pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="needs the compiled extension")
@@ -38,12 +38,8 @@ def _queued_gathers_match_gloo(group, rank: int, world: int, gen: torch.Generato
 
 def check_issue_thread(rank: int, world_size: int) -> None:
     gen = torch.Generator().manual_seed(10 + rank)
-    _queued_gathers_match_gloo(dist.group.WORLD, rank, world_size, gen)
-    # A subgroup of the last two ranks: the broadcasts' roots are group ranks.
-    members = [world_size - 2, world_size - 1]
-    group = dist.new_group(members)
-    if rank in members:
-        _queued_gathers_match_gloo(group, members.index(rank), 2, gen)
+    # In the subgroup the broadcasts' roots are group ranks.
+    on_world_and_last_two(_queued_gathers_match_gloo, rank, world_size, gen)
     # No group (a world of one): the copy-in alone.
     full = torch.zeros(8, dtype=torch.bfloat16)
     comm.issue_all_gather([full], [torch.arange(4.0)], 1, None, "copy", None).wait()
