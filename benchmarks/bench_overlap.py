@@ -222,7 +222,7 @@ def chart(rows: list[dict], path: str, subtitle: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     for kind, fill in (("matmul", True), ("sleep", False)):
         sel = [r for r in rows if r["kind"] == kind]
         for p, (marker, color) in zip(DEPTHS, zip("osD", ("tab:red", "tab:blue", "tab:green"))):
@@ -230,7 +230,7 @@ def chart(rows: list[dict], path: str, subtitle: str) -> None:
                 ax.scatter([r["compute_over_comm"] for r in sel],
                            [r[f"exposed_depth{p}"] for r in sel],
                            marker=marker, facecolors=color if fill else "none", edgecolors=color,
-                           label=f"{kind}, prefetch depth {p}")
+                           label=f"{kind}, fsdp_ext, prefetch depth {p}")
         if sel:
             ax.scatter([r["compute_over_comm"] for r in sel],
                        [r["fsdp2_exposed_depth1"] for r in sel], marker="x" if fill else "+",
@@ -242,7 +242,7 @@ def chart(rows: list[dict], path: str, subtitle: str) -> None:
     ax.set_ylabel("exposed communication (t - t_compute) / t_comm")
     ax.set_title("forward overlap, gloo (filled/x: matmul, hollow/+: sleep)\n" + subtitle,
                  fontsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
