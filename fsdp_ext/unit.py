@@ -128,6 +128,9 @@ class Unit:
         if self.unsharded or self.pending_unshard is not None:
             return
         chunks, self.post_forward_chunks = self.post_forward_chunks, None
+        if not self.buckets:  # every parameter belongs to child units: nothing to gather or wait for
+            self.unsharded = True
+            return
         if chunks is not None:  # regather from the smaller post-forward group
             group, slot = self.groups.post_forward, self.groups.post_forward_rank
         else:

@@ -189,6 +189,23 @@ def check_awkward_models(rank: int, world_size: int) -> None:
     assert model.body[1].running_mean.shape == (10,)
 
 
+def check_parameterless_root(rank: int, world_size: int) -> None:
+    """A root whose parameters all belong to child units trains like the reference and issues no
+    all-gather of its own (it has nothing to gather)."""
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 2))  # noqa: E731
+    model = _compare_training(rank, world_size, build, _shard_children((nn.Linear,)),
+                              _vector_batch(9, 2), _mse)
+    x = torch.randn(4, 9)
+    with recording() as events:
+        _mse(model, x, torch.zeros(4, 2)).backward()
+        with torch.no_grad():
+            model(x)
+    gathered = {e.unit for e in events if e.kind == "all_gather.issue"}
+    assert gathered == {"0", "2"}, gathered
+    assert not any(u.holds_unsharded_memory() for u in units_of(model))
+
+
 def check_no_grad_frees_everything(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     reference = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=3, n_head=2, d_model=16))
@@ -216,6 +233,7 @@ def runtime_worker(rank: int, world_size: int) -> None:
         check_prefetch_order(rank)
         check_in_flight_bound(rank)
     check_awkward_models(rank, world_size)
+    check_parameterless_root(rank, world_size)
     check_no_grad_frees_everything(rank, world_size)
     dist.barrier()
 
