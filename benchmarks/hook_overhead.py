@@ -9,7 +9,9 @@ ranks, plain and sharded at prefetch depth 1, and splits each unit's time on ran
 with timestamps from an outer pre-hook, the forward, and an outer post-hook. Then the same hooks
 with nothing to gather (each rank sharding over a group of itself, d = 64) after sleeps and in a
 tight loop (k = 0), and, after a sleep of --sleep-ms, how long a Python no-op and a wait on an
-all-gather that has long finished take: the price of running cold.
+all-gather that has long finished take: the price of running cold. Last, the pieces of the hooks,
+timed by wrapping the runtime's functions on a fresh sharded chain (each wrapper adds its own
+call, and an outer piece includes the wrappers of the pieces inside it).
 
     python benchmarks/hook_overhead.py
     python benchmarks/hook_overhead.py --d 1024 --k 4
@@ -77,6 +79,48 @@ def _phases(chain, x, reps: int) -> dict[str, list[float]]:
     return out
 
 
+def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each piece of the pre/post-forward hooks, on rank 0's sharded chain."""
+    from fsdp_ext import _C, comm, storage_cache
+    from fsdp_ext.schedule import Schedule
+    from fsdp_ext.unit import Unit
+    pieces = [(Unit, "_pre_forward", "pre-forward hook"),
+              (comm.Pending, "wait", "  wait for this unit's all-gather"),
+              (Unit, "use_unsharded_params", "  point the parameters at the gathered views"),
+              (Schedule, "prefetch_forward", "  issue the next unit's all-gather"),
+              (storage_cache, "fill", "    refill one gathered buffer"),
+              (_C, "issue_all_gather", "    submit to the issue thread (C++)"),
+              (Unit, "_post_forward", "post-forward hook"),
+              (Unit, "use_sharded_params", "  point the parameters back at the shards")]
+    times: dict[str, list[float]] = {label: [] for _, _, label in pieces}
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in pieces]
+    clock = time.perf_counter
+
+    def timed(fn, out):
+        def call(*a, **kw):
+            t0 = clock()
+            result = fn(*a, **kw)
+            out.append(clock() - t0)
+            return result
+        return call
+
+    for (owner, name, fn), (_, _, label) in zip(originals, pieces):
+        setattr(owner, name, timed(fn, times[label]))
+    try:  # the hooks are bound when fully_shard runs: shard after wrapping
+        chain = bench_overlap.shard_chain(d, k, UNITS, 1, SLEEP_S)
+        chain(x)
+        chain(x)
+        for samples in times.values():
+            samples.clear()
+        for _ in range(reps):
+            dist.barrier()
+            chain(x)
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    return times
+
+
 def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
     """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
     from fsdp_ext import comm
@@ -124,14 +168,15 @@ def worker(rank: int, world_size: int, port: int, args) -> None:
             results[label] = {name: _phases(chain, x, args.reps)
                               for name, chain in (("plain", plain), ("sharded", sharded))}
         cold = _cold_costs(args.sleep_ms / 1e3, args.reps)
+        pieces = _pieces(args.d, args.k, torch.randn(32, args.d), args.reps)
     if rank == 0:
-        report(results, cold, args)
+        report(results, cold, pieces, args)
     dist.barrier()
     dist.destroy_process_group()
     exit_without_finalization()
 
 
-def report(results: dict, cold: dict, args) -> None:
+def report(results: dict, cold: dict, pieces: dict, args) -> None:
     ms = lambda v: f"{1e3 * statistics.median(v):.3f}"  # noqa: E731
     print(f"hook_overhead: d={args.d}, {UNITS} units, world {args.world_size}, "
           f"medians of {args.reps} forwards; {machine_line(machine())}")
@@ -145,6 +190,10 @@ def report(results: dict, cold: dict, args) -> None:
                   f"{ms(p['post'])} |")
     print(f"after a {args.sleep_ms:g} ms sleep: a Python no-op call {cold['noop_us']:.1f} us, "
           f"the wait on a finished all-gather {cold['wait_us']:.1f} us")
+    print(f"pieces of the hooks (d={args.d}, k={args.k}, world {args.world_size}, rank 0), "
+          "median per call:")
+    for label, samples in pieces.items():
+        print(f"{label:48s} {1e6 * statistics.median(samples):7.1f} us  ({len(samples)} calls)")
 
 
 def main() -> None:
