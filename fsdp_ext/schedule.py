@@ -37,7 +37,8 @@ class Schedule:
         self.streams = comm.Streams(root.groups.device, timeout)
         self.checker = CollectiveChecker(root.groups.device, timeout=timeout)
         self.forward_order: list[Unit] = []
-        self._recording: list[Unit] = []
+        self._position: dict[Unit, int] = {}   # unit -> index in forward_order (prefetch lookups)
+        self._recording: dict[Unit, None] = {}  # insertion-ordered set: this forward's units
         self.in_forward = False
         self._backward_queued = False
         self.pending_reduce_scatters: deque = deque()
@@ -74,17 +75,17 @@ class Schedule:
             for bucket in unit.buckets:
                 bucket.release_grad_shard_if_unused()
         self.checker.next_iteration()
-        self._recording = []
+        self._recording = {}
         self.in_forward = True
 
     def record_forward(self, unit: Unit) -> None:
-        if unit not in self._recording:
-            self._recording.append(unit)
+        self._recording.setdefault(unit)  # first use only: a unit used twice keeps its first place
 
     def root_post_forward(self) -> None:
         self.in_forward = False
         if self._recording:
-            self.forward_order = self._recording
+            self.forward_order = list(self._recording)
+            self._position = {unit: i for i, unit in enumerate(self.forward_order)}
         if not torch.is_grad_enabled():
             self.reshard_all()
 
@@ -92,7 +93,10 @@ class Schedule:
         return bool(self.forward_order) and self.forward_order[-1] is unit
 
     def prefetch_forward(self, unit: Unit) -> None:
-        self._prefetch(self.forward_order, unit, self.options["forward_prefetch"])
+        depth = self.options["forward_prefetch"]
+        index = self._position.get(unit)
+        if depth > 0 and index is not None:
+            self._prefetch(self.forward_order[index + 1:index + 1 + depth])
 
     # ---- backward -----------------------------------------------------------------------------------
     def in_backward(self) -> bool:
@@ -104,8 +108,10 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def prefetch_backward(self, unit: Unit, moment: str) -> None:
-        if self.options["backward_prefetch_at"] == moment:
-            self._prefetch(self.forward_order[::-1], unit, self.options["backward_prefetch"])
+        depth = self.options["backward_prefetch"]
+        index = self._position.get(unit)
+        if self.options["backward_prefetch_at"] == moment and depth > 0 and index is not None:
+            self._prefetch(self.forward_order[max(index - depth, 0):index][::-1])
 
     def _finish_oldest_reduce_scatters(self, keep: int) -> None:
         while len(self.pending_reduce_scatters) > keep:
@@ -170,12 +176,10 @@ class Schedule:
     def note_reshard(self, unit: Unit) -> None:
         self.transient_in_flight.discard(unit)
 
-    def _prefetch(self, order: list[Unit], current: Unit, depth: int) -> None:
-        if depth <= 0 or current not in order:
-            return
-        index = order.index(current)
+    def _prefetch(self, units: list[Unit]) -> None:
+        """Issue the all-gathers of `units` (the next ones in execution order), nearest first."""
         limit = self.max_in_flight()
-        for unit in order[index + 1:index + 1 + depth]:
+        for unit in units:
             if unit.unsharded or unit.pending_unshard is not None:
                 continue
             if limit is not None and unit.transient and self.transient_unsharded() >= limit:
