@@ -107,7 +107,7 @@ def shard_chain_fsdp2(d: int, k: int, units: int, depth: int, sleep_s: float,
     return chain
 
 
-def _timed(fn) -> float:
+def slowest_rank_time(fn) -> float:
     """Slowest rank's wall time of fn() started together after a barrier."""
     dist.barrier()
     t0 = time.perf_counter()
@@ -146,7 +146,7 @@ def measure(kind: str, d: int, k: int, args) -> dict:
             names = list(runs)
             names = names[i % len(names):] + names[:i % len(names)]
             for name in names:
-                samples[name].append(_timed(runs[name]))
+                samples[name].append(slowest_rank_time(runs[name]))
     med = {name: statistics.median(v) for name, v in samples.items()}
     row = dict(kind=kind, d=d, matmuls=k, unit_mb=d * d * 4 / 2**20, units=args.units,
                compute_per_unit_ms=1e3 * med["compute"] / args.units,
