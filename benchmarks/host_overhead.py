@@ -62,7 +62,7 @@ def _chain(name: str, d: int, units: int, x: torch.Tensor):
     return chain
 
 
-def worker(rank: int, world_size: int, port: int, args, out: dict) -> None:
+def worker(rank: int, world_size: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -89,9 +89,8 @@ def worker(rank: int, world_size: int, port: int, args, out: dict) -> None:
             fn, chain = runs[key]
             samples[key].append(bench_overlap.slowest_rank_time(lambda: fn(chain)))
     if rank == 0:
-        out.update({f"{name}/{mode}": statistics.median(v) / args.units
-                    for (name, mode), v in samples.items()})
-        report(out, args)
+        report({f"{name}/{mode}": statistics.median(v) / args.units
+                for (name, mode), v in samples.items()}, args)
     dist.barrier()
     dist.destroy_process_group()
     exit_without_finalization()
@@ -130,8 +129,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
-    mp.spawn(worker, args=(args.world_size, free_port(), args, {}), nprocs=args.world_size,
-             join=True)
+    mp.spawn(worker, args=(args.world_size, free_port(), args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":
