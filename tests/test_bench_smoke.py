@@ -1,0 +1,44 @@
+"""The overlap and host-time benchmarks run end to end at a tiny size and write what they promise:
+a row per configuration with every framework's timing, the fsdp_ext and FSDP2 columns included."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_overlap_benchmark_writes_every_column(tmp_path):
+    _run("bench_overlap.py", "--kinds", "sleep", "--sizes", "64", "--matmuls", "1",
+         "--sleep-ms", "0.5", "--units", "3", "--reps", "1", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "overlap.json").read_text())
+    (row,) = report["rows"]
+    assert (row["kind"], row["d"], row["matmuls"], row["units"]) == ("sleep", 64, 1, 3)
+    for key in ("exposed_depth0", "exposed_depth1", "exposed_depth2", "fsdp2_exposed_depth0",
+                "fsdp2_exposed_depth1", "fsdp2_exposed_depth1_async", "forward_ratio_depth1"):
+        assert math.isfinite(row[key]), key
+    assert row["comm_per_unit_ms"] > 0 and row["fsdp2_comm_per_unit_ms"] > 0
+    assert row["compute_per_unit_ms"] >= 0.5  # the unit sleeps 0.5 ms
+    assert {len(v) for v in row["samples"].values()} == {1} and len(row["samples"]) == 9
+    text = (tmp_path / "overlap.md").read_text()
+    assert "FSDP2 exposed, depth 1, async unshard" in text
+    assert (tmp_path / "overlap.png").stat().st_size > 0
+
+
+def test_host_overhead_benchmark_times_every_framework(tmp_path):
+    result = _run("host_overhead.py", "--units", "4", "--reps", "1", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "host_overhead_w1.json").read_text())
+    per_unit = report["seconds_per_unit"]
+    assert set(per_unit) == {f"{name}/{mode}" for name in ("plain", "fsdp_ext", "fsdp_ext inline",
+                                                           "fsdp2")
+                             for mode in ("train", "no_grad")}
+    assert all(v > 0 for v in per_unit.values())
+    assert "| forward + backward |" in result.stdout
