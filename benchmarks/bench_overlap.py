@@ -45,7 +45,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from exit_worker import exit_without_finalization  # noqa: E402
+from fsdp_ext import exit_without_finalization  # noqa: E402
 from launch import free_port  # noqa: E402
 from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from exit_worker import exit_without_finalization  # noqa: E402
+from fsdp_ext import exit_without_finalization  # noqa: E402
 from launch import free_port  # noqa: E402
 import plan_check  # noqa: E402
 import rss  # noqa: E402

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from fsdp_ext import exit_without_finalization  # noqa: E402
 from launch import free_port  # noqa: E402
-from exit_worker import exit_without_finalization  # noqa: E402
 from step_frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap  # noqa: E402
 
 

@@ -269,8 +269,5 @@ def _finish_profiler(profiler, events, out_dir: str, args) -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is written and the process groups are destroyed: skip interpreter finalization,
-    # where a gloo thread that frees a tensor aborts the process (README, "Not covered").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Everything is written and the process groups are destroyed (see fsdp_ext/shutdown.py).
+    fsdp_ext.exit_without_finalization()

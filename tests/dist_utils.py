@@ -8,12 +8,13 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fsdp_ext import exit_without_finalization
 
 
 def _free_port() -> int:
@@ -40,22 +41,6 @@ def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, ba
     finally:
         dist.destroy_process_group()
     exit_without_finalization()
-
-
-def exit_without_finalization() -> None:
-    """End a rank after destroy_process_group, skipping interpreter finalization.
-
-    On rare runs (about 1 in 15 here) a rank whose work had all finished aborted during
-    finalization ("terminate called without an active exception"). A core dump shows why: a gloo
-    worker thread, having just completed the last barrier, drops that work and with it the last
-    reference to an earlier all-reduce's tensor, whose Python object needs the GIL to be freed; the
-    main thread holds the GIL until finalization starts, and a thread taking the GIL during
-    finalization is ended with pthread_exit, which unwinds through a noexcept destructor:
-    std::terminate.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0,

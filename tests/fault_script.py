@@ -21,7 +21,6 @@ import argparse
 import datetime
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -121,12 +120,7 @@ def main() -> None:
             fsdp_ext.save_checkpoint(args.ckpt_dir, model, optimizer, step=step + 1)
     print("DONE", flush=True)
     dist.destroy_process_group()
-    # Leave without interpreter finalization, for the reason given in
-    # tests/dist_utils.py:exit_without_finalization (this file also runs as a plain script, where
-    # that module cannot be imported the same way).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    fsdp_ext.exit_without_finalization()
 
 
 if __name__ == "__main__":
