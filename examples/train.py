@@ -268,6 +268,4 @@ def _finish_profiler(profiler, events, out_dir: str, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is written and the process groups are destroyed (see fsdp_ext/shutdown.py).
-    fsdp_ext.exit_without_finalization()
+    fsdp_ext.run_then_exit(main)  # without interpreter finalization: see fsdp_ext/shutdown.py

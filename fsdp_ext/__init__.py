@@ -17,7 +17,7 @@ from .memory import memory_report
 from .optim_state_dict import optim_state_dict
 from .plan import plan
 from .safetensors_io import export_safetensors
-from .shutdown import exit_without_finalization
+from .shutdown import exit_without_finalization, run_then_exit
 from .state_dict import full_state_dict, sharded_state_dict
 from .storage_cache import empty_cache
 from .summon import summon_full_params
@@ -33,4 +33,5 @@ __all__ = [
     "check_optimizer",
     "full_state_dict", "fully_shard", "size_based_auto_wrap_policy", "summon_full_params",
     "describe", "empty_cache", "exit_without_finalization", "memory_report", "plan",
+    "run_then_exit",
 ]

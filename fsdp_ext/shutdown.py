@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 
 def exit_without_finalization(status: int = 0) -> None:
@@ -22,3 +23,21 @@ def exit_without_finalization(status: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def run_then_exit(main, *args) -> None:
+    """Run `main(*args)` and end the process without finalization, with the status Python would
+    give: 0, a SystemExit's code, or 1 after printing the traceback of any other exception (a rank
+    that raises would otherwise meet the same abort, and end with SIGABRT's status instead)."""
+    try:
+        main(*args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    else:
+        status = 0
+    exit_without_finalization(status)

@@ -120,8 +120,8 @@ def main() -> None:
             fsdp_ext.save_checkpoint(args.ckpt_dir, model, optimizer, step=step + 1)
     print("DONE", flush=True)
     dist.destroy_process_group()
-    fsdp_ext.exit_without_finalization()
 
 
 if __name__ == "__main__":
-    main()
+    from fsdp_ext import run_then_exit
+    run_then_exit(main)
