@@ -69,7 +69,7 @@ class Trainer:
         return time.perf_counter() - t0, time.process_time() - c0, loss.item()
 
     def accounting(self) -> dict:
-        from fsdp_ext.memory import memory_report
+        from fsdp_ext.diagnostics.memory import memory_report
         out = dict(tensors=tensor_accounting(self.model, self.opt))
         if self.name.startswith("fsdp_ext"):
             out["memory_report"] = memory_report(self.model, self.opt)

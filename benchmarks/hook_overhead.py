@@ -81,9 +81,10 @@ def _phases(chain, x, reps: int) -> dict[str, list[float]]:
 
 def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]]:
     """Seconds per call of each piece of the pre/post-forward hooks, on rank 0's sharded chain."""
-    from fsdp_ext import _C, comm, storage_cache
-    from fsdp_ext.schedule import Schedule
-    from fsdp_ext.unit import Unit
+    from fsdp_ext import _C
+    from fsdp_ext.runtime import comm, storage_cache
+    from fsdp_ext.runtime.schedule import Schedule
+    from fsdp_ext.runtime.unit import Unit
     pieces = [(Unit, "_pre_forward", "pre-forward hook"),
               (comm.Pending, "wait", "  wait for this unit's all-gather"),
               (Unit, "use_unsharded_params", "  point the parameters at the gathered views"),
@@ -123,7 +124,7 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
 
 def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
     """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
-    from fsdp_ext import comm
+    from fsdp_ext.runtime import comm
     rank, world = dist.get_rank(), dist.get_world_size()
     group = comm.issue_thread_group(dist.group.WORLD) if comm.issue_thread_enabled() else None
     n = 1 << 18
@@ -152,7 +153,7 @@ def worker(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=300))
-    from fsdp_ext import comm
+    from fsdp_ext.runtime import comm
     alone = comm.subgroup([rank])  # every hook runs, nothing to gather from peers
     configs = [(f"d={args.d}, k={args.k}, world {world_size}", args.d, args.k, None),
                (f"d=64, k={args.k}, one-rank group", 64, args.k, alone),

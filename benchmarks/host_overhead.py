@@ -37,7 +37,7 @@ import bench_overlap  # noqa: E402
 from launch import free_port  # noqa: E402
 from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
 
-from fsdp_ext import comm  # noqa: E402
+from fsdp_ext.runtime import comm  # noqa: E402
 
 FRAMEWORKS = ("plain", "fsdp_ext", "fsdp_ext inline", "fsdp2")
 

@@ -27,7 +27,7 @@ from step_frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch,
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
-    from fsdp_ext.trace import recording
+    from fsdp_ext.runtime.trace import recording
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,

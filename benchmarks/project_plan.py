@@ -3,7 +3,7 @@
 Models are built on the meta device (no memory), as stacks of TransformerEncoderLayer blocks like
 the step benchmark's, one unit per block. Per GPU: one sequence of 4096 tokens per step (the batch
 grows with the cluster), bf16 parameters for compute, fp32 gradient reduction, fp32 sharded state
-and AdamW. Stated inputs (fsdp_ext/comm_model.py: H100): NVLink 450 GB/s per GPU inside a node of 8,
+and AdamW. Stated inputs (fsdp_ext/planner/comm_model.py: H100): NVLink 450 GB/s per GPU inside a node of 8,
 400 Gb/s InfiniBand per GPU between nodes, 989 TFLOP/s bf16 at 40% MFU, 80 GB per GPU.
   FLOPs per GPU step: 6 * params * tokens + 12 * layers * d_model * seq * tokens (attention)
   activations per GPU: 34 * seq * d_model bytes per layer (bf16, flash attention, no
@@ -28,8 +28,8 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from fsdp_ext.comm_model import H100  # noqa: E402
-from fsdp_ext.plan import project  # noqa: E402
+from fsdp_ext.planner.comm_model import H100  # noqa: E402
+from fsdp_ext.planner.plan import project  # noqa: E402
 from results_io import markdown_table, write_json  # noqa: E402
 
 MODELS = {  # name: (layers, d_model, heads, ffn, activation checkpointing)
@@ -82,7 +82,7 @@ def main() -> None:
     text = "\n".join([
         "### PROJECTION to H100 clusters (estimated by fsdp_ext.plan, not measured)", "",
         "`python benchmarks/project_plan.py`", "",
-        f"Inputs as stated in benchmarks/project_plan.py and fsdp_ext/comm_model.py: {H100.name}; "
+        f"Inputs as stated in benchmarks/project_plan.py and fsdp_ext/planner/comm_model.py: {H100.name}; "
         f"{H100.peak_flops / 1e12:.0f} TFLOP/s bf16 at {100 * H100.mfu:.0f}% MFU; one {SEQ}-token "
         "sequence per GPU per step; bf16 compute, fp32 reduction and state, AdamW; prefetch 1.", "",
         *sections])

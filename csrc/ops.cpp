@@ -27,8 +27,8 @@ TORCH_LIBRARY(fsdp_ext, m) {
 }
 
 // Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself
-// exposes the host storage cache (fsdp_ext/storage_cache.py) and the CPU issue thread
-// (fsdp_ext/comm.py).
+// exposes the host storage cache (fsdp_ext/runtime/storage_cache.py) and the CPU issue thread
+// (fsdp_ext/runtime/comm.py).
 PYBIND11_MODULE(_C, module) {
   module.doc() = "fsdp_ext compiled ops; use torch.ops.fsdp_ext.* (see fsdp_ext.ops)";
   fsdp_ext::register_storage_cache(module);

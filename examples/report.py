@@ -10,8 +10,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from fsdp_ext.comm import all_gather_into
-from fsdp_ext.timeline import comm_stats
+from fsdp_ext.runtime.comm import all_gather_into
+from fsdp_ext.diagnostics.timeline import comm_stats
 
 
 def memory_mb(device: torch.device) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""The main job: train a small GPT (fsdp_ext/models.py) on bytes of text with fsdp_ext.
+"""The main job: train a small GPT (examples/models.py) on bytes of text with fsdp_ext.
 
     torchrun --standalone --nproc-per-node 2 examples/train.py            # CPU: gloo, a few minutes
     torchrun --standalone --nproc-per-node 8 examples/train.py --mixed-precision bf16   # GPUs: NCCL
@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # corpus.py and report.py; fsdp_ext from this checkout
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # corpus, models, report; fsdp_ext from this checkout
 import corpus  # noqa: E402
 import report  # noqa: E402
+from models import GPT, Block, GPTConfig  # noqa: E402
 
 import fsdp_ext  # noqa: E402
-from fsdp_ext.models import GPT, Block, GPTConfig  # noqa: E402
-from fsdp_ext.trace import recording  # noqa: E402
+from fsdp_ext.runtime.trace import recording  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -251,7 +251,7 @@ def _start_profiler(device):
 
 def _finish_profiler(profiler, events, out_dir: str, args) -> None:
     """Chrome trace per rank; one PNG of the last profiled step with every rank's lanes."""
-    from fsdp_ext import timeline
+    from fsdp_ext.diagnostics import timeline
     profiler.__exit__(None, None, None)
     os.makedirs(out_dir, exist_ok=True)
     rank = dist.get_rank()

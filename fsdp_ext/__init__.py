@@ -1,37 +1,56 @@
-"""fsdp_ext: a fully-sharded data-parallel runtime for PyTorch."""
+"""fsdp_ext: a fully-sharded data-parallel runtime for PyTorch (the public API, nothing else).
+
+Layers, each a subpackage that imports only those below it (tests/test_layering.py holds the table):
+
+    api          fully_shard, FullyShardedDataParallel, wrap policies, FSDP1 option types
+    state        model / optimizer state dicts, DCP checkpoints, safetensors
+    planner      memory / time estimates before a launch
+    diagnostics  describe, memory report, timeline, input and optimizer checks
+    runtime      units, buckets, schedule and prefetch, collectives, gradient path
+    ops          the kernels' entry points (C++ / CUDA / Triton / torch reference)
+"""
 # torch's own state-dict type and configs, accepted as they are by state_dict_type()
 from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
-from . import ops  # noqa: F401
-from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
-from .clip import NonFiniteGradientError, clip_grad_norm_
-from .debug import CollectiveError, CollectiveMismatchError
-from .describe import describe
-from .fsdp1 import FullyShardedDataParallel
-from .mixed_precision import MixedPrecision, MixedPrecisionPolicy
-from .offload import CPUOffloadPolicy
-from .optim_check import check_optimizer
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .load_state_dict import load_full_state_dict
-from .load_optim_state_dict import load_optim_state_dict
-from .memory import memory_report
-from .optim_state_dict import optim_state_dict
-from .plan import plan
-from .safetensors_io import export_safetensors
+
+from .api.clip import clip_grad_norm_
+from .api.fsdp1 import FullyShardedDataParallel
+from .api.fsdp1_config import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from .api.fully_shard import FSDPModule, fully_shard
+from .api.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from .diagnostics.describe import describe
+from .diagnostics.memory import memory_report
+from .diagnostics.optim_check import check_optimizer
+from .planner.plan import plan
+from .runtime.errors import CollectiveError, CollectiveMismatchError, NonFiniteGradientError
+from .runtime.mixed_precision import MixedPrecisionPolicy
+from .runtime.offload import CPUOffloadPolicy
+from .runtime.storage_cache import empty_cache
 from .shutdown import exit_without_finalization, run_then_exit
-from .state_dict import full_state_dict, sharded_state_dict
-from .storage_cache import empty_cache
-from .summon import summon_full_params
-from .wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from .state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .state.load_optim_state_dict import load_optim_state_dict
+from .state.load_state_dict import load_full_state_dict
+from .state.optim_state_dict import optim_state_dict
+from .state.safetensors_io import export_safetensors
+from .state.state_dict import full_state_dict, sharded_state_dict
+from .state.summon import summon_full_params
 
 __all__ = [
-    "CheckpointError", "FullStateDictConfig", "ShardedStateDictConfig", "StateDictType",
-    "export_safetensors", "load_checkpoint", "load_full_state_dict", "load_optim_state_dict",
-    "optim_state_dict", "save_checkpoint", "sharded_state_dict",
-    "BackwardPrefetch", "CPUOffloadPolicy", "CollectiveError", "CollectiveMismatchError",
-    "FSDPModule", "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy",
-    "ModuleWrapPolicy", "NonFiniteGradientError", "ShardingStrategy", "clip_grad_norm_",
-    "check_optimizer",
-    "full_state_dict", "fully_shard", "size_based_auto_wrap_policy", "summon_full_params",
-    "describe", "empty_cache", "exit_without_finalization", "memory_report", "plan",
-    "run_then_exit",
+    # FSDP2 style
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
+    # FSDP1 style
+    "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
+    "ModuleWrapPolicy", "size_based_auto_wrap_policy",
+    "FullStateDictConfig", "ShardedStateDictConfig", "StateDictType",
+    # training loop
+    "clip_grad_norm_", "summon_full_params",
+    # state dicts and checkpoints
+    "full_state_dict", "sharded_state_dict", "load_full_state_dict", "optim_state_dict",
+    "load_optim_state_dict", "save_checkpoint", "load_checkpoint", "CheckpointError",
+    "export_safetensors",
+    # planning and diagnostics
+    "plan", "describe", "memory_report", "check_optimizer", "empty_cache",
+    # errors
+    "CollectiveError", "CollectiveMismatchError", "NonFiniteGradientError",
+    # process exit on gloo
+    "exit_without_finalization", "run_then_exit",
 ]

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import fsdp_ext
-from fsdp_ext import checkpoint_files
-from fsdp_ext.models import GPT, Block, GPTConfig
+from fsdp_ext.state import checkpoint_files
+from models import GPT, Block, GPTConfig
 
 from .dist_utils import global_mean, local_slice
 from .parity import Case, make_batch

@@ -1,5 +1,12 @@
-"""Shared pytest options: tests marked `slow` run only with --runslow."""
+"""Shared pytest options: tests marked `slow` run only with --runslow. The example models
+(examples/models.py) are importable as `models`, as in the examples and benchmarks."""
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
 
 
 def pytest_addoption(parser):

@@ -68,7 +68,7 @@ def _inject(block: nn.Module, mode: str) -> None:
 
 def _kill_after_writing_shards() -> None:
     """Die inside the next save_checkpoint, once DCP wrote this rank's files (it then lists them)."""
-    from fsdp_ext import checkpoint_files
+    from fsdp_ext.state import checkpoint_files
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)

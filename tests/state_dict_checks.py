@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import fsdp_ext
-from fsdp_ext.checkpoint import quiet_sharded_tensor
+from fsdp_ext.state.checkpoint import quiet_sharded_tensor
 
 from .dist_utils import global_mean, local_slice
 from .parity import Case, build_model, compute_loss, make_batch, wrap

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_ext
-from fsdp_ext.schedule import units_of
+from fsdp_ext.runtime.registry import units_of
 
 from .dist_utils import local_slice, run_distributed
 

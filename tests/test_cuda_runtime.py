@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_ext
-from fsdp_ext.models import GPT, GPTConfig
+from models import GPT, GPTConfig
 
 from .dist_utils import global_mean, local_slice, run_distributed
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fsdp_ext
-from fsdp_ext.models import GPT, MLP, Block, GPTConfig
+from models import GPT, MLP, Block, GPTConfig
 
 
 def _gpt():

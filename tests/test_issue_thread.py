@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_ext import comm, ops
+from fsdp_ext import ops
+from fsdp_ext.runtime import comm
 
 from .dist_utils import on_world_and_last_two, run_distributed
 from .parity import cases_for, run_case

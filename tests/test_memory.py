@@ -1,4 +1,4 @@
-"""fsdp_ext.memory.memory_report against counts made without the runtime's buckets.
+"""fsdp_ext.diagnostics.memory.memory_report against counts made without the runtime's buckets.
 
 The independent counts come from what a user can see: the unwrapped model's parameter sizes, the
 storages behind the sharded parameters and their .grad, and AdamW's documented state (two tensors
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_ext
-from fsdp_ext.flat_param import ALIGN
-from fsdp_ext.memory import memory_report
-from fsdp_ext.models import GPT, GPTConfig
+from fsdp_ext.runtime.flat_param import ALIGN
+from fsdp_ext.diagnostics.memory import memory_report
+from models import GPT, GPTConfig
 
 from .dist_utils import run_distributed
 

@@ -1,5 +1,5 @@
 """The planner: its communication model by hand, its layout against the runtime's buckets, and its
-memory estimate against fsdp_ext.memory's accounting of a real 2-rank run."""
+memory estimate against fsdp_ext.diagnostics.memory's accounting of a real 2-rank run."""
 from __future__ import annotations
 
 import copy
@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_ext
-from fsdp_ext.comm_model import H100, Link, all_gather_s, all_reduce_s, fit_link, reduce_scatter_s
-from fsdp_ext.flat_param import Bucket, ParamSlot
-from fsdp_ext.memory import memory_report
-from fsdp_ext.models import Block, GPT, GPTConfig
-from fsdp_ext.plan import project
-from fsdp_ext.plan_measure import UnitSpec
-from fsdp_ext.plan_model import padded_numel
+from fsdp_ext.planner.comm_model import H100, Link, all_gather_s, all_reduce_s, fit_link, reduce_scatter_s
+from fsdp_ext.runtime.flat_param import Bucket, ParamSlot
+from fsdp_ext.diagnostics.memory import memory_report
+from models import Block, GPT, GPTConfig
+from fsdp_ext.planner.plan import project
+from fsdp_ext.planner.measure import UnitSpec
+from fsdp_ext.planner.model import padded_numel
 
 from .dist_utils import run_distributed
 
@@ -148,7 +148,7 @@ def test_projection_on_meta_device():
 def test_exposed_communication_where_cpu_ranks_fill_the_cores():
     """Saturated CPU ranks: the first all-gather and the last reduction in full, the rest scaled by
     the measured contention (0: hidden, 1: serial); depth 0 exposes everything."""
-    from fsdp_ext.plan_model import PlanInputs, Setting, estimate_time
+    from fsdp_ext.planner.model import PlanInputs, Setting, estimate_time
     specs = [UnitSpec("", None, [1000], is_root=True)] + [
         UnitSpec(f"b{i}", None, [4000]) for i in range(3)]
     inputs = PlanInputs(units=specs, world_size=2, compute_s=1.0, adamw_s_per_element=0.0,

@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_ext
-from fsdp_ext.models import GPT, Block, GPTConfig
-from fsdp_ext.schedule import units_of
-from fsdp_ext.trace import recording
+from models import GPT, Block, GPTConfig
+from fsdp_ext.runtime.registry import units_of
+from fsdp_ext.runtime.trace import recording
 
 from .dist_utils import global_mean, local_slice, run_distributed
 

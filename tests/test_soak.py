@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_ext
-from fsdp_ext.models import GPT, Block, GPTConfig
-from fsdp_ext.schedule import units_of
+from models import GPT, Block, GPTConfig
+from fsdp_ext.runtime.registry import units_of
 
 from .dist_utils import global_mean, local_slice, run_distributed
 

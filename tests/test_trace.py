@@ -1,7 +1,7 @@
 """The profiler trace labels every collective and every unit's compute, in the FSDP timeline's order,
 and the timeline PNG is drawn from it (2 gloo ranks, 2 profiled steps).
 
-The Chrome trace is read as plain JSON here, independently of fsdp_ext.timeline's parser.
+The Chrome trace is read as plain JSON here, independently of fsdp_ext.diagnostics.timeline's parser.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_ext
-from fsdp_ext import timeline
-from fsdp_ext.models import GPT, GPTConfig
-from fsdp_ext.trace import recording
+from fsdp_ext.diagnostics import timeline
+from models import GPT, GPTConfig
+from fsdp_ext.runtime.trace import recording
 
 from .dist_utils import run_distributed
 

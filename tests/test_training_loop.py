@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_ext
-from fsdp_ext.models import GPT, MLP, Block, GPTConfig
+from models import GPT, MLP, Block, GPTConfig
 
 from .dist_utils import local_slice, run_distributed
 

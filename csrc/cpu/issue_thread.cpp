@@ -15,7 +15,7 @@
 //
 // Collectives of one process group must be issued in the same order on every member. Everything
 // submitted here goes to process groups that only this thread uses (see
-// fsdp_ext/comm.py:issue_thread_group), and one thread keeps the submission order, which the
+// fsdp_ext/runtime/comm.py:issue_thread_group), and one thread keeps the submission order, which the
 // unit schedule makes the same on every rank. Nothing here waits for a peer: broadcasts are
 // asynchronous, and the caller waits on the returned work handles.
 #include "../issue_thread.h"

@@ -5,6 +5,12 @@ Backends: "cpp" (C++ CPU kernels) and "cuda" (CUDA kernels), both reached throug
 plain-torch reference in `reference.py`). The default is the compiled kernel for the tensors' device,
 and the reference when the extension is not built (with a one-time warning). FSDP_EXT_BACKEND in the
 environment overrides the default.
+
+Owns: the Python side of the kernels (this file), their plain-torch reference (reference.py, the
+specification), argument checks (checks.py), fake implementations for torch.compile (fake.py) and
+the Triton kernels (triton_kernels.py). The C++ / CUDA sources are in csrc/.
+
+May import: nothing of fsdp_ext but the compiled `fsdp_ext._C`. Every layer above may import it.
 """
 from __future__ import annotations
 

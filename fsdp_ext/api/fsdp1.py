@@ -12,12 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import state_dict as _sd
-from .api import BackwardPrefetch, FSDPModule, ShardingStrategy, fully_shard
+from ..runtime.offload import CPUOffloadPolicy
+from ..runtime.registry import units_of
+from ..state import state_dict as _sd
+from ..state.load_optim_state_dict import to_local_optim_state_dict
+from ..state.optim_state_dict import optim_state_dict
+from ..state.summon import summon_full_params
 from .clip import clip_grad_norm_
-from .mixed_precision import MixedPrecision
-from .offload import CPUOffloadPolicy
-from .summon import summon_full_params
+from .fsdp1_config import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from .fully_shard import FSDPModule, fully_shard
 from .wrap import apply_auto_wrap
 
 
@@ -145,8 +148,6 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, **unused) -> dict:
         """Name-keyed optimizer state, full or sharded as set by state_dict_type (default sharded)."""
-        from .optim_state_dict import optim_state_dict
-        from .schedule import units_of
         units = units_of(_unwrap(model))
         settings = _sd.optim_settings_of(units[0]) if units else _sd.StateDictSettings()
         return optim_state_dict(_unwrap(model), optim, full=settings.full,
@@ -156,7 +157,6 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
                                  optim_state_dict: dict, **unused) -> dict:
         """The name-keyed dict as this rank's `optim.load_state_dict` input (full or sharded)."""
-        from .load_optim_state_dict import to_local_optim_state_dict
         return to_local_optim_state_dict(_unwrap(model), optim, optim_state_dict)
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ ran no model code for it: the launch (copy-in or gradient pack, then queueing th
 the wait. The rest is *hidden* behind compute; that figure is an upper bound, as the collective may
 have finished before anyone waited for it.
 
-    python -m fsdp_ext.timeline trace_rank0.json [trace_rank1.json ...] -o timeline.png
+    python -m fsdp_ext.diagnostics.timeline trace_rank0.json [trace_rank1.json ...] -o timeline.png
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .trace import Event
+from ..runtime.trace import Event
 
 _COMM = {"all_gather": "AG", "reduce_scatter": "RS"}
 

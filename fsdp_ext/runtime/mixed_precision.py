@@ -1,4 +1,5 @@
-"""Mixed-precision policies (PyTorch's names and meaning) and the gradient divide factors."""
+"""The mixed-precision policy (FSDP2's `MixedPrecisionPolicy`), input/output casts and the gradient
+divide factors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,22 +23,6 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """FSDP1-style policy; converted to MixedPrecisionPolicy plus a buffer dtype."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    buffer_dtype: torch.dtype | None = None
-    keep_low_precision_grads: bool = False
-    cast_forward_inputs: bool = False
-    cast_root_forward_inputs: bool = True
-
-    def to_policy(self, is_root: bool) -> MixedPrecisionPolicy:
-        cast = self.cast_forward_inputs or (is_root and self.cast_root_forward_inputs)
-        return MixedPrecisionPolicy(self.param_dtype, self.reduce_dtype, None, cast)
 
 
 def cast_floating(tree, dtype: torch.dtype | None):

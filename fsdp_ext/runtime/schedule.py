@@ -6,18 +6,20 @@ prefetches: in forward, the all-gathers of the next `forward_prefetch` units are
 current unit computes; in backward, those of the previous `backward_prefetch` units (in reverse
 forward order). A bound on transient unsharded units keeps memory at most (depth + 1) units above
 the sharded state: a prefetch that would exceed it is skipped and happens on demand instead.
+
+The units it orders are `unit.Unit`s; a unit creates its root's schedule, so this module does not
+import `unit` (annotations name "Unit" as text only).
 """
 from __future__ import annotations
 
 from collections import deque
 
 import torch
-from torch import nn
 
 from . import comm
-from .debug import CollectiveChecker
+from .fingerprints import CollectiveChecker
+from .registry import unit_of
 from .trace import RECORDER
-from .unit import Unit, unit_of
 
 DEFAULT_OPTIONS = dict(
     forward_prefetch=1,         # units whose all-gather is issued ahead in forward
@@ -191,7 +193,3 @@ class Schedule:
         if not self.options["limit_in_flight"]:
             return None
         return max(self.options["forward_prefetch"], self.options["backward_prefetch"]) + 1
-
-
-def units_of(model: nn.Module) -> list[Unit]:
-    return [u for m in model.modules() if (u := unit_of(m)) is not None]

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from . import ops
+from .. import ops
+from ..runtime.registry import unit_of
 from .sharded_tensor import local_param_range, local_part_of
 from .state_dict import StateDictSettings, slot_keys, state_dict_settings
 
 
 def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict,
                   missing_keys, unexpected_keys, error_msgs: list) -> None:
-    from .unit import unit_of
     unit = unit_of(module)
     if local_metadata.get("assign_to_params_buffers"):
         raise NotImplementedError("load_state_dict(assign=True) would replace the sharded "

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import storage_cache
-from .schedule import units_of
+from ..runtime import storage_cache
+from ..runtime.registry import units_of
 
 
 def _storage_bytes(tensors) -> int:

@@ -8,7 +8,7 @@
     p.best()          # that estimate: .memory (bytes by component), .time (seconds by component)
 
 The model is the one you are about to shard (unwrapped, or already wrapped: its units are used).
-What the numbers mean and how they are computed: plan_model.py. Projections to GPU clusters,
+What the numbers mean and how they are computed: model.py. Projections to GPU clusters,
 where nothing is measured: `project`.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import plan_measure
+from . import measure
 from .comm_model import Cluster, Link
-from .plan_model import (STRATEGIES, Plan, PlanInputs, Setting, build_plan, cpu_saturated,
+from .model import (STRATEGIES, Plan, PlanInputs, Setting, build_plan, cpu_saturated,
                          estimate_time, padded_numel)
 
 # Used when no process group is up to measure gloo: two ranks on one host over loopback, fitted by
-# plan_measure.measure_link on the idle 2-core development machine (three fits: 210-320 us,
+# measure.measure_link on the idle 2-core development machine (three fits: 210-320 us,
 # 1.34-2.04 GB/s; the lower bandwidth is kept).
 GLOO_LOOPBACK = Link("gloo loopback (default; pass link= or plan inside a process group)",
                      alpha_s=250e-6, bandwidth=1.35e9)
@@ -61,10 +61,10 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         device_type: "cpu" (gloo) or "cuda" (NCCL).
         adamw_s_per_element: optimizer seconds per parameter element (default: measured here).
     """
-    specs = plan_measure.describe_units(model, unit_classes)
+    specs = measure.describe_units(model, unit_classes)
     notes = []
     if loss_fn is not None and activation_bytes is None:
-        measured = plan_measure.measure_activations(model, specs, lambda: loss_fn(model))
+        measured = measure.measure_activations(model, specs, lambda: loss_fn(model))
         notes.append(f"activations: {measured / 2**20:.1f} MiB saved for backward per forward "
                      "(measured on the given batch)")
     elif activation_bytes is not None:
@@ -75,7 +75,7 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         compute_s = flops_per_step / flop_rate
         notes.append(f"compute: {flops_per_step:.3g} FLOP at {flop_rate:.3g} FLOP/s (given)")
     elif compute_s is None and loss_fn is not None:
-        compute_s = plan_measure.measure_compute(lambda: _forward_backward(model, loss_fn),
+        compute_s = measure.measure_compute(lambda: _forward_backward(model, loss_fn),
                                                  together=together)
         notes.append(f"compute: forward + backward measured on this machine"
                      f"{', all ranks at once' if together else ''}: {compute_s:.3f} s")
@@ -91,13 +91,13 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
     inputs = PlanInputs(
         units=specs, world_size=world_size, compute_s=compute_s,
         adamw_s_per_element=(adamw_s_per_element if adamw_s_per_element is not None
-                             else plan_measure.adamw_seconds_per_element()), link=link,
+                             else measure.adamw_seconds_per_element()), link=link,
         cross_link=cross_link, per_node=ranks_per_node or 0,
         param_bytes=_size(param_dtype, itemsize), reduce_bytes=_size(reduce_dtype or param_dtype,
                                                                      itemsize),
         state_bytes=itemsize, comm_hides=hides,
-        copy_bytes_per_s=plan_measure.copy_bytes_per_second() if device_type == "cpu" else 0.0,
-        reduce_is_all_reduce=device_type == "cpu")  # gloo: an in-place all-reduce (comm.py)
+        copy_bytes_per_s=measure.copy_bytes_per_second() if device_type == "cpu" else 0.0,
+        reduce_is_all_reduce=device_type == "cpu")  # gloo: an in-place all-reduce (runtime/comm.py)
     if not hides:
         inputs.contention = _contention(model, loss_fn, inputs, together, notes)
     return build_plan(inputs, memory_budget, prefetch, strategies, notes)
@@ -112,7 +112,7 @@ def _contention(model, loss_fn, inputs: PlanInputs, together: bool, notes: list[
         return 1.0
     comm = estimate_time(inputs, Setting("FULL_SHARD", 1))["comm"]
     largest = max(padded_numel(u, inputs.world_size) for u in inputs.units)
-    contention = plan_measure.measure_contention(
+    contention = measure.measure_contention(
         lambda: _forward_backward(model, loss_fn), largest, min(comm, inputs.compute_s))
     notes.append(f"the ranks' compute threads fill every core: {contention:.2f} of the "
                  "communication overlapped with compute still adds to the step (measured)")
@@ -158,5 +158,5 @@ def _size(dtype: torch.dtype | None, default: int) -> int:
 
 def _default_link(device_type: str) -> Link:
     if dist.is_available() and dist.is_initialized() and device_type == "cpu":
-        return plan_measure.measure_link()
+        return measure.measure_link()
     return GLOO_LOOPBACK

@@ -17,29 +17,22 @@ for an in-place edit of the tensors it saved.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import comm, ops, storage_cache
+from .. import ops
+from . import comm, storage_cache
+from .deferred_init import materialize_meta_modules
 from .flat_param import Bucket, ParamSlot
 from .grads import BucketGrads, reduce_bucket
-from .deferred_init import materialize_meta_modules
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
 from .offload import CPUOffloadPolicy, host_empty, to_compute_device
+from .registry import unit_of
+from .schedule import Schedule
 from .trace import RECORDER, begin_range, end_range, profiler_range, span
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
-
-UNIT_ATTR = "_fsdp_ext_unit"
 OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded nn.Parameter: which module's unit holds it
-
-
-def unit_of(module: nn.Module) -> "Unit | None":
-    return module.__dict__.get(UNIT_ATTR)
 
 
 class _UnshardedViews(torch.autograd.Function):
@@ -367,8 +360,7 @@ class Unit:
         self.pre_backward_done = False
 
 
-def _become_root(unit: Unit) -> "Schedule":
-    from .schedule import Schedule
+def _become_root(unit: Unit) -> Schedule:
     return Schedule.create(unit)
 
 

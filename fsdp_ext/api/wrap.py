@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 
 from torch import nn
 
-from .unit import unit_of
+from ..runtime.registry import unit_of
 
 
 class ModuleWrapPolicy:

@@ -15,17 +15,17 @@ How much communication hides behind compute (prefetch depth >= 1): the first all
 last reduction never do; of the rest, per unit max(0, comm - compute), except on CPU ranks that
 fill every core, where gloo's threads copy through the cores the compute uses: there the rest
 costs `contention` times its own time, a share measured on the machine by
-plan_measure.measure_contention (1 when it cannot be measured). Depth 0 exposes everything.
+measure.measure_contention (1 when it cannot be measured). Depth 0 exposes everything.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+from ..runtime.flat_param import ALIGN
+from ..runtime.schedule import DEFAULT_OPTIONS
 from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
-from .flat_param import ALIGN
-from .plan_measure import UnitSpec
-from .schedule import DEFAULT_OPTIONS
+from .measure import UnitSpec
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 MAX_PENDING_REDUCE_SCATTERS = DEFAULT_OPTIONS["max_pending_reduce_scatters"]

@@ -12,7 +12,8 @@ import sys
 
 from torch import nn
 
-from .unit import Unit, unit_of
+from ..runtime.registry import unit_of
+from ..runtime.unit import Unit
 
 
 def _units_with_names(model: nn.Module) -> list[tuple[str, Unit]]:

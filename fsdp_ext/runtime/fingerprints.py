@@ -16,13 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to issue different collectives (different unit, size, dtype or kind)."""
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (for example because a peer rank died)."""
+from .errors import CollectiveError, CollectiveMismatchError
 
 
 def default_check_iterations() -> int:

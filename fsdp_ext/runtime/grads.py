@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm, finite, ops, storage_cache
+from .. import ops
+from . import comm, finite, storage_cache
 from .flat_param import Bucket
 from .mixed_precision import divide_factors
 from .offload import to_host

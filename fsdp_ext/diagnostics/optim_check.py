@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .schedule import units_of
+from ..runtime.registry import units_of
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .schedule import units_of
+from ..runtime.registry import units_of
 from .state_dict import gather_bucket_params
 
 

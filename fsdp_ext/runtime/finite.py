@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .errors import NonFiniteGradientError
+
 
 def merge_flags(flags: torch.Tensor | None, grads, device: torch.device) -> torch.Tensor:
     """OR this micro-batch's per-parameter "not finite" flags (int32 [len(grads)]) into `flags`."""
@@ -34,7 +36,6 @@ def raise_if_nonfinite(unit, index: int, flags: torch.Tensor) -> None:
             dist.all_reduce(table, group=group)
     if not bool(table.any()):
         return
-    from .clip import NonFiniteGradientError  # (clip imports the schedule, which imports us)
     bad = []
     for j, slot in enumerate(unit.buckets[index].slots):
         ranks = table[:, j].nonzero().flatten().tolist()

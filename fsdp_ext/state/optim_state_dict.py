@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm, ops
-from .schedule import units_of
+from .. import ops
+from ..runtime import comm
+from ..runtime.registry import units_of
 from .sharded_tensor import flat_sharded_tensor, local_param_range
 
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."

@@ -2,32 +2,20 @@
 `FullyShardedDataParallel` (FSDP1 style)."""
 from __future__ import annotations
 
-import enum
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from .input_checks import check_mesh_and_groups
-from .mixed_precision import MixedPrecisionPolicy
-from .offload import CPUOffloadPolicy
-from .state_dict import install_state_dict_hooks
-from .unit import UNIT_ATTR, Unit, unit_of
-
-
-class ShardingStrategy(enum.Enum):
-    FULL_SHARD = enum.auto()      # shard params, grads, optimizer state; free params after forward
-    SHARD_GRAD_OP = enum.auto()   # same, but keep params unsharded between forward and backward
-    NO_SHARD = enum.auto()        # replicate (DDP-like): all-reduce gradients
-    HYBRID_SHARD = enum.auto()    # FULL_SHARD within a node, replicate across nodes
-    _HYBRID_SHARD_ZERO2 = enum.auto()
-
-
-class BackwardPrefetch(enum.Enum):
-    BACKWARD_PRE = enum.auto()    # issue the previous unit's all-gather before this unit's backward
-    BACKWARD_POST = enum.auto()   # ... after this unit's backward
+from ..diagnostics.input_checks import check_mesh_and_groups
+from ..runtime import comm
+from ..runtime.mixed_precision import MixedPrecisionPolicy
+from ..runtime.offload import CPUOffloadPolicy
+from ..runtime.registry import UNIT_ATTR, unit_of
+from ..runtime.unit import Unit
+from ..state.hooks import install_state_dict_hooks
+from .clip import clip_grad_norm_
 
 
 def _device_for(module: nn.Module, mesh_device_type: str | None, offload: bool) -> torch.device:
@@ -108,7 +96,6 @@ class FSDPModule:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all sharded gradients under this module; returns the global norm (every rank)."""
-        from .clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_gather_into
+from ..runtime.comm import all_gather_into
+from ..runtime.registry import units_of
 from .comm_model import Link, fit_link
-from .schedule import units_of
 
 
 @dataclass

@@ -13,11 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedule import units_of
-
-
-class NonFiniteGradientError(RuntimeError):
-    pass
+from ..runtime.errors import NonFiniteGradientError
+from ..runtime.registry import units_of
 
 
 def _local_norm_terms(unit, norm_type: float) -> torch.Tensor:

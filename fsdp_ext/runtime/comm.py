@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .debug import CollectiveError
+from .. import ops
+from .errors import CollectiveError
 
 if ops.HAVE_EXTENSION:
-    from . import _C
+    from .. import _C
     # Everything queued is issued before the interpreter finalizes (the thread holds tensors).
     atexit.register(_C.drain_issue_thread)
 

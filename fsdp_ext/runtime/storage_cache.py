@@ -16,10 +16,10 @@ import os
 
 import torch
 
-from . import ops
+from .. import ops
 
 if ops.HAVE_EXTENSION:
-    from . import _C
+    from .. import _C
 
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
 ENABLED = ops.HAVE_EXTENSION and os.environ.get("FSDP_EXT_STORAGE_CACHE", "1") != "0"

@@ -18,7 +18,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                                TensorProperties)
 
-from .flat_param import Bucket, ParamSlot
+from ..runtime.flat_param import Bucket, ParamSlot
 
 
 def param_range(bucket: Bucket, slot: ParamSlot, shard_rank: int) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import ops
+from .. import ops
 
 ALIGN = 8  # elements; 16 bytes at bf16, 32 at fp32
 

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm, ops
-from .schedule import units_of
+from .. import ops
+from ..runtime import comm
+from ..runtime.registry import unit_of, units_of
 from .sharded_tensor import flat_sharded_tensor
 
 SETTINGS_ATTR = "_fsdp_ext_state_dict_settings"
@@ -87,15 +88,7 @@ def slot_keys(unit) -> dict[int, list[str]]:
 
 
 # ---- the post-hook ----------------------------------------------------------------------------------
-def install_state_dict_hooks(module: nn.Module) -> None:
-    """Called by fully_shard: make module.state_dict() / load_state_dict() understand shards."""
-    from .load_state_dict import load_pre_hook
-    module.register_state_dict_post_hook(_post_hook)
-    module.register_load_state_dict_pre_hook(load_pre_hook)
-
-
-def _post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    from .unit import unit_of
+def post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     unit = unit_of(module)
     settings = settings_of(unit)
     if settings.full:

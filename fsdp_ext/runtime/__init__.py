@@ -1,0 +1,14 @@
+"""The runtime: what happens to a unit in every training step (the FSDP timeline).
+
+Owns: units and their hooks (unit.py), the flat sharded buckets (flat_param.py), the execution
+order and prefetch (schedule.py), collectives, process groups and streams (comm.py), the gradient
+path (grads.py, finite.py), the host block cache (storage_cache.py), CPU offload (offload.py),
+mixed precision (mixed_precision.py), meta-device init (deferred_init.py), the collective
+fingerprints that run before each collective (fingerprints.py), the event recorder and profiler
+ranges the hooks write (trace.py), and the errors raised while training (errors.py).
+
+May import: ops (and the compiled `fsdp_ext._C`). Every other layer imports it.
+
+Start from `Unit` in unit.py (unshard -> use -> reshard -> post_backward) and `Schedule` in
+schedule.py (who is gathered when); registry.py says how a module finds its unit.
+"""

@@ -1,0 +1,20 @@
+"""Where a module's unit is kept: one attribute in the module's `__dict__`.
+
+The unit, the schedule and every layer above find units through these two functions, so none of
+them has to import the other to walk a model.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+UNIT_ATTR = "_fsdp_ext_unit"
+
+
+def unit_of(module: nn.Module):
+    """The `Unit` that `fully_shard` made of `module`, or None."""
+    return module.__dict__.get(UNIT_ATTR)
+
+
+def units_of(model: nn.Module) -> list:
+    """Every unit in `model`'s module tree, in module order (the root's first)."""
+    return [u for m in model.modules() if (u := unit_of(m)) is not None]

@@ -1,0 +1,156 @@
+"""The package's layers import only downwards, and no modules import each other in a loop.
+
+Every import of every module under fsdp_ext/ is read with `ast` (module-level, function-local and
+under `if TYPE_CHECKING:` alike) and resolved to the fsdp_ext module it names. LAYERS below is the
+one place the allowed directions are written: a module may import its own subpackage and any
+subpackage of a lower layer, never one of its own layer or above.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fsdp_ext")
+
+# Layer of each part of the package; higher layers import lower ones only.
+LAYERS = {
+    "fsdp_ext": 5,          # __init__.py: the public API, re-exported
+    "api": 4,
+    "state": 3, "planner": 3, "diagnostics": 3,
+    "runtime": 2,
+    "ops": 1,               # the kernels' Python entry points
+    "_C": 0,                # the compiled extension (kernels, issue thread, block cache)
+    "shutdown": 0,          # process exit helpers, importing nothing of fsdp_ext
+}
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def module_sources(root: str) -> dict[str, str]:
+    """Dotted module name -> source, for every .py file under the package folder `root`."""
+    sources = {}
+    base = os.path.dirname(root)
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, base)[:-3].replace(os.sep, ".")
+                with open(path) as f:
+                    sources[dotted.removesuffix(".__init__")] = f.read()
+    return sources
+
+
+def _is_package(module: str, modules: dict[str, str]) -> bool:
+    return any(m.startswith(module + ".") for m in modules)
+
+
+def imports_of(module: str, source: str, modules: dict[str, str]) -> set[str]:
+    """The fsdp_ext modules that `module` imports, anywhere in its source."""
+    package = module if _is_package(module, modules) else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            for alias in node.names:  # `from x import submodule` imports x.submodule
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules or alias.name == "_C" else target)
+    return {name for name in found if name == "fsdp_ext" or name.startswith("fsdp_ext.")}
+
+
+def part_of(module: str) -> str:
+    """The layer table's key for a module: its subpackage, or the top-level module's name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, targets in sorted(graph.items()):
+        src = part_of(module)
+        for target in sorted(targets):
+            dst = part_of(target)
+            if src not in LAYERS or dst not in LAYERS:
+                problems.append(f"{module} -> {target}: '{src if src not in LAYERS else dst}' "
+                                "is not in the layer table")
+            elif src != dst and LAYERS[dst] >= LAYERS[src]:
+                problems.append(f"{module} -> {target}: layer '{src}' ({LAYERS[src]}) may not "
+                                f"import layer '{dst}' ({LAYERS[dst]})")
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module, or a module importing itself."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph.get(v, ()):
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph(root: str) -> dict[str, set[str]]:
+    modules = module_sources(root)
+    graph = {m: imports_of(m, s, modules) - {m} for m, s in modules.items()}
+    # Importing a package runs its __init__; a module importing its own package is not a loop.
+    return {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+
+
+def test_imports_point_down_and_never_loop():
+    graph = import_graph(PACKAGE_DIR)
+    assert "fsdp_ext.runtime.unit" in graph and graph["fsdp_ext.api.fully_shard"]
+    assert upward_imports(graph) == []
+    assert cycles(graph) == []
+
+
+def test_package_has_layers_and_few_top_level_modules():
+    top = [n for n in os.listdir(PACKAGE_DIR) if n.endswith(".py")]
+    subpackages = [n for n in os.listdir(PACKAGE_DIR)
+                   if os.path.isfile(os.path.join(PACKAGE_DIR, n, "__init__.py"))]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    assert set(subpackages) == set(LAYERS) - {"fsdp_ext", "_C", "shutdown"}
+    for sub in subpackages:  # each opens with a docstring saying what it owns and may import
+        with open(os.path.join(PACKAGE_DIR, sub, "__init__.py")) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        assert "Owns:" in doc and "May import:" in doc, sub
+
+
+def test_the_check_fails_on_a_planted_upward_import_and_a_planted_loop(tmp_path):
+    copy = os.path.join(tmp_path, "fsdp_ext")
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    with open(os.path.join(copy, "runtime", "unit.py"), "a") as f:
+        f.write("\n\ndef _planted():\n    from ..api.fully_shard import fully_shard\n")
+    with open(os.path.join(copy, "runtime", "registry.py"), "a") as f:
+        f.write("\nfrom .schedule import Schedule\n")  # schedule imports registry: a loop
+    graph = import_graph(copy)
+    assert upward_imports(graph) == [
+        "fsdp_ext.runtime.unit -> fsdp_ext.api.fully_shard: layer 'runtime' (2) may not import "
+        "layer 'api' (4)"]
+    assert ["fsdp_ext.runtime.registry", "fsdp_ext.runtime.schedule"] in cycles(graph)
