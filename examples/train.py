@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 8 examples/train.py --mixed-precision bf16   # GPUs: NCCL
 
 With GPUs present each rank uses its local GPU and NCCL; otherwise the CPU and gloo. The script is
-the same on one node or many (see docs/README_trainer.md). Only rank 0 prints.
+the same on one node or many (see docs/training.md and docs/api.md, "Several GPUs, several nodes"). Only rank 0 prints.
 """
 from __future__ import annotations
 

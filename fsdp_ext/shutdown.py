@@ -6,7 +6,7 @@ exception"). A core dump shows why: a gloo worker thread, having just completed 
 collective, drops that work and with it the last reference to an earlier collective's tensor,
 whose Python object needs the GIL to be freed; a thread that takes the GIL during finalization is
 ended with pthread_exit, which unwinds through a noexcept destructor: std::terminate. This sits
-between torch's gloo process group and CPython (README, "Not covered").
+between torch's gloo process group and CPython (docs/diagnostics.md, "Not covered").
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def _hybrid_mesh(device_type: str):
 
 
 class FullyShardedDataParallel(nn.Module):
-    """Drop-in for torch.distributed.fsdp.FullyShardedDataParallel (see README for differences)."""
+    """Drop-in for torch.distributed.fsdp.FullyShardedDataParallel (see docs/api.md for differences)."""
 
     def __init__(self, module: nn.Module, process_group=None,
                  sharding_strategy: ShardingStrategy | None = None, cpu_offload=None,
