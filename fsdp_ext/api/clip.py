@@ -18,7 +18,9 @@ from ..runtime.registry import units_of
 
 
 def _local_norm_terms(unit, norm_type: float) -> torch.Tensor:
-    """This rank's contribution for one unit: sum of |g|^p, or max |g| for p = inf (fp32)."""
+    """This rank's contribution for one unit: sum of |g|^p, or max |g| for p = inf (fp32), on the
+    unit's compute device: offloaded gradients live on the host, but the all-reduce (NCCL on a
+    GPU) takes tensors of the process group's device."""
     grads = [slot.param.grad for bucket in unit.buckets for slot in bucket.slots
              if slot.param.grad is not None and slot.param.grad.numel()]
     device = unit.groups.device
@@ -27,8 +29,8 @@ def _local_norm_terms(unit, norm_type: float) -> torch.Tensor:
     norms = torch._foreach_norm(grads, norm_type)
     stacked = torch.stack([n.float() for n in norms])
     if math.isinf(norm_type):
-        return stacked.max()
-    return (stacked ** norm_type).sum()
+        return stacked.max().to(device)
+    return (stacked ** norm_type).sum().to(device)
 
 
 def _reduce(value: torch.Tensor, group, norm_type: float) -> torch.Tensor:
@@ -75,11 +77,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     grads = [slot.param.grad for unit in units for bucket in unit.buckets for slot in bucket.slots
              if slot.param.grad is not None and slot.param.grad.numel()]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for dtype, group in by_dtype.items():
-        torch._foreach_mul_(group, clip_coef.to(dtype))
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), group in by_kind.items():
+        torch._foreach_mul_(group, clip_coef.to(device=device, dtype=dtype))
     return total_norm
 
 

@@ -2,8 +2,10 @@
 
 Overlap works the same way on both device kinds, with one small record per collective that holds
 the tensors it reads and writes until someone waits on it (no `record_stream`):
-  * CUDA/NCCL: the collective runs on a side stream after that stream waited for the compute stream;
-    an event marks its end, and the consumer's stream waits on that event.
+  * accelerators (CUDA/NCCL): the collective runs on a side stream after that stream waited for
+    the compute stream; an event marks its end, and the consumer's stream waits on that event
+    before the record lets go of the tensors (streams.py, "[Note: stream order and buffer
+    lifetime]").
   * CPU/gloo: the collective is issued with `async_op=True`; gloo runs it on its own thread, and
     waiting on the work handle is the synchronisation. A unit's all-gather (copy-in and issue) is
     moreover queued on the issue thread (csrc/cpu/issue_thread.cpp), the CPU counterpart of the
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from . import streams
 from .errors import CollectiveError
 
 if ops.HAVE_EXTENSION:
@@ -154,13 +157,16 @@ class Pending:
     """Collectives in flight and everything they touch; `wait()` makes their results usable."""
 
     works: list = field(default_factory=list)
-    event: torch.cuda.Event | None = None
+    event: object = None                              # a side stream's event (streams.py)
+    device: torch.device | None = None                # whose current stream waits on `event`
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
     timeout: datetime.timedelta | None = None         # see collective_timeout()
     job: object = None                                # queued on the issue thread (_C._IssuedGather)
 
-    def wait(self) -> None:
+    def wait(self, host: bool = False) -> None:
+        """Make the results usable: by the current stream of `device`, or with `host` by the host
+        (which then blocks until the side stream's work is done)."""
         try:
             if self.job is not None:  # issued and waited for in one call, without the GIL
                 job, self.job = self.job, None
@@ -174,42 +180,50 @@ class Pending:
                 f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
         self.works = []
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            # The waiting stream (or the host) is ordered after the collective before its tensors
+            # are let go: a block freed now is reused only by work that runs after the collective.
+            if host:
+                streams.synchronize(self.event)
+            else:
+                streams.wait_event(streams.current_stream(self.device), self.event)
             self.event = None
         self.keep_alive.clear()
 
 
 class Streams:
-    """Side streams for collectives on CUDA; on CPU, the issue thread for all-gathers."""
+    """Side streams for collectives on accelerators; on CPU, the issue thread for all-gathers."""
 
     def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None):
-        self.cuda = device.type == "cuda"
+        self.device = device
+        self.side = streams.side_streams(device)
         self.timeout = timeout
-        self.issue_thread = not self.cuda and issue_thread_enabled()
-        if self.cuda:
+        self.issue_thread = not self.side and issue_thread_enabled()
+        if self.side:
             # High priority: a delayed collective delays every unit behind it.
-            self.all_gather = torch.cuda.Stream(device=device, priority=-1)
-            self.reduce_scatter = torch.cuda.Stream(device=device, priority=-1)
+            self.all_gather = streams.new_stream(device, priority=-1, name="all_gather")
+            self.reduce_scatter = streams.new_stream(device, priority=-1, name="reduce_scatter")
 
     def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor], label: str = "") -> Pending:
         """Run `fn(async_op) -> list of work handles` as collectives in flight; return their record.
 
-        On CUDA `fn` runs on the side stream (allocations included) after that stream waited for the
-        compute stream, so it sees every earlier write and may reuse memory freed before this call.
+        With side streams `fn` runs on the side stream (allocations included) after that stream
+        waited for the compute stream, so it sees every earlier write and may reuse memory freed
+        before this call. `keep_alive` holds whatever `fn` reads or writes that another stream
+        allocated, until the record is waited on.
         """
-        if not self.cuda:
+        if not self.side:
             try:
                 works = [w for w in fn(True) if w is not None]
             except Exception as exc:
                 raise CollectiveError(f"rank {dist.get_rank()}: {label} failed: {exc}") from exc
             return Pending(works=works, keep_alive=keep_alive, label=label, timeout=self.timeout)
         stream = getattr(self, stream_name)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        streams.wait_stream(stream, streams.current_stream(self.device))
+        with streams.use_stream(stream):
+            streams.inject_delay(stream)
             fn(False)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return Pending(event=event, keep_alive=keep_alive, label=label)
+            event = streams.record_event(stream)
+        return Pending(event=event, device=self.device, keep_alive=keep_alive, label=label)
 
 # torch 2.14 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -113,8 +113,8 @@ class Bucket:
             slot.param.data = view
 
     def ensure_grad_shard(self) -> None:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard)
+        if self.grad_shard is None:  # pinned like an offloaded shard, whose grads stay on the host
+            self.grad_shard = torch.zeros_like(self.shard, pin_memory=self.shard.is_pinned())
             self.grad_views = [self.grad_shard[slice(*self.local_range(s))] for s in self.slots]
 
     def release_grad_shard_if_unused(self) -> None:

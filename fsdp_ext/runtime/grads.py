@@ -19,7 +19,7 @@ from .. import ops
 from . import comm, finite, storage_cache
 from .flat_param import Bucket
 from .mixed_precision import divide_factors
-from .offload import to_host
+from .offload import copy_to_host, to_host
 from .trace import RECORDER, profiler_range, span
 
 
@@ -61,13 +61,15 @@ def reduce_bucket(unit, index: int, grads) -> None:
         return
 
     result = {}
+    accumulator, state.unsharded_accumulator = state.unsharded_accumulator, None
+    side = unit.schedule.streams.side
+    offload_on_stream = side and unit.offload is not None
 
     def collectives(async_op: bool) -> list:
         with profiler_range("pack_grads", unit.name):
             flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
-        if state.unsharded_accumulator is not None:
-            flat.add_(state.unsharded_accumulator)
-            state.unsharded_accumulator = None
+        if accumulator is not None:
+            flat.add_(accumulator)
         if groups.shard is None:
             output, works = flat, []
         else:
@@ -79,6 +81,8 @@ def reduce_bucket(unit, index: int, grads) -> None:
             works = [work]
         if groups.replicate is not None:
             works = [comm.all_reduce_sum(output, groups.replicate, async_op)]
+        if offload_on_stream:  # queued after the collective on this stream; the host waits for it
+            output = copy_to_host(output)
         result.update(output=output, flat=flat)
         return works
 
@@ -92,20 +96,22 @@ def reduce_bucket(unit, index: int, grads) -> None:
             "reduce_scatter", collectives, keep_alive=[],
             label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}")
     RECORDER.add("reduce_scatter.issued", unit.name)  # launched: gradients packed, collective queued
-    # On CUDA the pack runs on the side stream, so the gradients it reads must outlive it; on CPU
-    # it already ran, and dropping them now frees a unit's gradients per pending reduce-scatter.
-    kept = [g for g in grads if g is not None] if device.type == "cuda" else []
-    pending.keep_alive.extend([result["flat"], *kept])
+    # With side streams the pack runs on the reduce-scatter stream, so the gradients and the no_sync
+    # accumulator it reads (allocated by the compute stream) are held until the compute stream has
+    # waited for it (streams.py). Without, the pack already ran, and dropping the gradients now
+    # frees a unit's gradients per pending reduce-scatter.
+    kept = [*grads, accumulator] if side else []
+    pending.keep_alive.extend([result["flat"], *(t for t in kept if t is not None)])
     used_now, state.used = state.used, []
     nonfinite, state.nonfinite = state.nonfinite, None
 
     def finish() -> None:
         with span("reduce_scatter.wait", unit.name):
-            pending.wait()
+            pending.wait(host=offload_on_stream)  # the host epilogue reads the copy to the host
         if nonfinite is not None:
             finite.raise_if_nonfinite(unit, index, nonfinite)
         reduced = result["output"]
-        if unit.offload is not None:
+        if unit.offload is not None and not side:
             reduced = to_host(reduced)
         accumulate = bucket.sync_param_grads_into_buffer()
         with profiler_range("grad_epilogue", unit.name):

@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from . import comm
+from . import comm, streams
 from .fingerprints import CollectiveChecker
 from .registry import unit_of
 from .trace import RECORDER
@@ -46,6 +46,10 @@ class Schedule:
         self.pending_reduce_scatters: deque = deque()
         self.peak_transient_unsharded = 0
         self.transient_in_flight: set[Unit] = set()  # kept by unshard/reshard: O(1) to count
+        # CPU offload with side streams: the all-gather stream copies host shards to the device
+        # without blocking the host. Its latest event, until the host has waited for it: the host
+        # (optimizer steps, state-dict loads, user edits) must not write a shard before that.
+        self.host_read_event = None
 
     @classmethod
     def create(cls, root: Unit) -> "Schedule":
@@ -73,6 +77,7 @@ class Schedule:
         self.drain_reduce_scatters()
         for unit in self.units:  # users edit models between steps: check before any collective
             unit.check_params_unchanged()
+            unit.post_forward_chunks = None  # kept by a forward whose backward never ran
         for unit in self.units:
             for bucket in unit.buckets:
                 bucket.release_grad_shard_if_unused()
@@ -90,6 +95,7 @@ class Schedule:
             self._position = {unit: i for i, unit in enumerate(self.forward_order)}
         if not torch.is_grad_enabled():
             self.reshard_all()
+            self.sync_host_reads()  # no backward follows: the next host write may come now
 
     def is_last_in_forward(self, unit: Unit) -> bool:
         return bool(self.forward_order) and self.forward_order[-1] is unit
@@ -136,6 +142,7 @@ class Schedule:
     def finalize_backward(self) -> None:
         """Runs once when autograd finishes: flush gradients, free whatever is still unsharded."""
         self.drain_reduce_scatters()
+        self.sync_host_reads()
         for unit in self.units:
             unit.reshard()
             # A recomputation (activation checkpointing) may stop early, before post-forward
@@ -144,6 +151,13 @@ class Schedule:
             unit.reset_backward_state()
         self._backward_queued = False
         RECORDER.add("backward.finalize", self.root.name)
+
+    def sync_host_reads(self) -> None:
+        """Block the host until the all-gather stream has read every host shard it was asked to
+        (CPU offload with side streams; nothing to do otherwise)."""
+        if self.host_read_event is not None:
+            event, self.host_read_event = self.host_read_event, None
+            streams.synchronize(event)
 
     def abandon_backward(self) -> None:
         """Clean up after a backward that raised (a hook, a collective, a non-finite gradient).

@@ -6,9 +6,9 @@ through the system allocator maps fresh pages for every block above glibc's mmap
 most 32 MiB): the kernel faults in and zeroes each page again, unit after unit. `fill` and `release`
 go through a small cache of freed blocks instead (csrc/cpu/storage_cache.cpp: at most two per
 size and twice the largest block in all), for CPU blocks of at least MIN_BYTES; anything else,
-every build without the extension, and FSDP_EXT_STORAGE_CACHE=0 in the environment use `resize_`
-and `torch.empty`.
-CUDA has its caching allocator.
+every build without the extension, and FSDP_EXT_STORAGE_CACHE=0 in the environment resize the
+storage through the streams seam (streams.alloc_storage / free_storage) and use `torch.empty`.
+Devices with side streams (CUDA) have their caching allocator, which the seam's rules are for.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 import torch
 
 from .. import ops
+from . import streams
 
 if ops.HAVE_EXTENSION:
     from .. import _C
@@ -26,7 +27,8 @@ ENABLED = ops.HAVE_EXTENSION and os.environ.get("FSDP_EXT_STORAGE_CACHE", "1") !
 
 
 def _cached(device: torch.device, nbytes: int) -> bool:
-    return ENABLED and device.type == "cpu" and nbytes >= MIN_BYTES
+    return (ENABLED and device.type == "cpu" and nbytes >= MIN_BYTES
+            and not streams.side_streams(device))
 
 
 def fill(tensor: torch.Tensor) -> None:
@@ -35,7 +37,7 @@ def fill(tensor: torch.Tensor) -> None:
     if _cached(tensor.device, nbytes):
         _C.fill_storage(tensor, nbytes)
     else:
-        tensor.untyped_storage().resize_(nbytes)
+        streams.alloc_storage(tensor)
 
 
 def release(tensor: torch.Tensor) -> None:
@@ -43,7 +45,7 @@ def release(tensor: torch.Tensor) -> None:
     if _cached(tensor.device, tensor.untyped_storage().nbytes()):
         _C.release_storage(tensor)
     else:
-        tensor.untyped_storage().resize_(0)
+        streams.free_storage(tensor)
 
 
 def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

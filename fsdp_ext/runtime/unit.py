@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import ops
-from . import comm, storage_cache
+from . import comm, storage_cache, streams
 from .deferred_init import materialize_meta_modules
 from .flat_param import Bucket, ParamSlot
 from .grads import BucketGrads, reduce_bucket
@@ -90,13 +90,13 @@ class Unit:
         device = self.groups.device
         for bucket in self.buckets:
             if self.offload is not None:
-                shard = host_empty(bucket.shard_numel, bucket.dtype, self.offload.pin_memory)
+                shard = host_empty(bucket.shard_numel, bucket.dtype, self.offload.pin_memory, device)
             else:
                 shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
             bucket.init_shard(shard)
             dtype = self.mp.param_dtype or bucket.dtype
             full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
-            full.untyped_storage().resize_(0)
+            streams.free_storage(full)  # allocated when first gathered
             full.requires_grad_(bucket.requires_grad)
             self.full.append(full)
             self.full_data.append(full.data)
@@ -143,9 +143,13 @@ class Unit:
                     self.full_data, sources, slot, comm.issue_thread_group(group), label,
                     schedule.streams.timeout)
             else:
+                # With side streams the copy-in reads the post-forward chunks (allocated by the
+                # compute stream) on the all-gather stream: they are held until it is waited for.
                 self.pending_unshard = schedule.streams.launch(
                     "all_gather", lambda async_op: self._all_gather_fn(chunks, group, slot, async_op),
-                    keep_alive=[], label=label)
+                    keep_alive=list(chunks or ()), label=label)
+                if self.offload is not None and chunks is None:  # read the host shards
+                    schedule.host_read_event = self.pending_unshard.event
         RECORDER.add("all_gather.issued", self.name)  # launched: collective queued
         schedule.note_unshard(self)
         if not async_op:
@@ -358,6 +362,9 @@ class Unit:
 
     def reset_backward_state(self) -> None:
         self.pre_backward_done = False
+        # Chunks kept for a backward that did not use them (the unit took no part in it) would be
+        # gathered, stale, by the next forward: they belong to this step only.
+        self.post_forward_chunks = None
 
 
 def _become_root(unit: Unit) -> Schedule:
