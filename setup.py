@@ -3,7 +3,9 @@
 CPU kernels are always built. The CUDA kernels are added when a CUDA build of torch and nvcc are
 both present, unless FSDP_EXT_NO_CUDA=1 (useful while iterating: the .cu alone takes minutes on a
 small machine). No GPU is needed to build. Other knobs: CUDA_HOME (default /usr/local/cuda when it
-exists), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (ninja parallelism), DEBUG=1 (-O0 -g).
+exists), TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": machine code for Ampere and Hopper, and PTX
+that the driver compiles on first use for any newer GPU, so the kernels load there too),
+MAX_JOBS (ninja parallelism), DEBUG=1 (-O0 -g).
 
     MAX_JOBS=2 pip install --no-build-isolation -e .
 """
@@ -17,7 +19,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # torch.utils.cpp_extension reads these when it is imported, so set the defaults first.
 if not os.environ.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import (  # noqa: E402

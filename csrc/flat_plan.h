@@ -9,6 +9,7 @@
 #pragma once
 
 #include "flat_layout.h"
+#include "kernel_bodies.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -95,6 +96,23 @@ std::vector<FlatRun> plan_runs(const List& tensors, at::IntArrayRef offsets, int
   plan_runs_into(runs, tensors, offsets, window_begin, window_numel, fill_gaps,
                  /*write_tensors=*/!fill_gaps);
   return runs;
+}
+
+// The table flat_runs_block reads, five int64 columns of runs.size() entries one after another
+// (first_block | window_begin | length | tensor_address | tensor_dtype), written into `columns`;
+// returns the number of blocks of the grid (each run gets ceil(length / kElementsPerBlock)).
+inline int64_t fill_run_table(const std::vector<FlatRun>& runs, int64_t* columns) {
+  const int64_t count = static_cast<int64_t>(runs.size());
+  int64_t blocks = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    columns[i] = blocks;
+    columns[count + i] = runs[i].window_begin;
+    columns[2 * count + i] = runs[i].length;
+    columns[3 * count + i] = reinterpret_cast<int64_t>(runs[i].tensor_data);
+    columns[4 * count + i] = runs[i].tensor_dtype;
+    blocks += blocks_for(runs[i].length);
+  }
+  return blocks;
 }
 
 // work_begins[i] = total length of runs before run i: where run i starts in the pieces of work.

@@ -54,6 +54,16 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(actual.view(width)[~nan], expected.view(width)[~nan])
 
 
+def assert_identical_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Every bit equal, NaN signs and payloads included."""
+    width = _INT_OF_WIDTH[expected.element_size()]
+    differ = actual.view(width) != expected.view(width)
+    assert not bool(differ.any()), (
+        f"{int(differ.sum())} elements differ, e.g. {actual[differ][:4].tolist()} "
+        f"(bits {actual.view(width)[differ][:4].tolist()}) vs "
+        f"{expected[differ][:4].tolist()} (bits {expected.view(width)[differ][:4].tolist()})")
+
+
 def stress_values(n: int, seed: int = 0) -> torch.Tensor:
     """fp32 values that stress rounding: for every exponent, mantissas at and around the bf16 and
     fp16 (normal and subnormal) rounding ties, both signs; plus random bit patterns (NaNs, infs,
@@ -200,6 +210,10 @@ def test_rounding_of_awkward_values(dst_dtype):
         want = got.clone()
         run_both(ops.cast_into_slot, (src, got, 0), (src, want, 0))
         assert_same_bits(got, want)
+        if ops.HAVE_EXTENSION and INTERPRET:  # NaNs too: the C++ kernels' exact bits
+            cpp = torch.zeros_like(got)
+            ops.cast_into_slot(src, cpp, 0, backend="cpp")
+            assert_identical_bits(got, cpp)
     halves = [values[: n // 2], values[n // 2:]]
     for scale in (1.0, 3.0e-3):
         got = torch.zeros(n + 10, dtype=dst_dtype, device=DEVICE)
@@ -239,8 +253,10 @@ def test_opcheck():
                           **kwargs)
 
 
-# Compiles every kernel variant for an sm_90 GPU (no GPU needed): catches code that the permissive
-# interpreter accepts but the compiler rejects, and checks the epilogue really has no fma.
+# Compiles, ahead of time, every kernel variant the ops can launch (every dtype kind and constexpr
+# flag; `n` as triton specializes it: i32, and i64 for windows of 2**31 elements and more) for
+# Ampere (sm_80) and Hopper (sm_90), with no GPU: catches code that the permissive interpreter
+# accepts but the compiler rejects, and checks the epilogue really has no fma.
 _GPU_COMPILE_SCRIPT = r"""
 import itertools
 import triton
@@ -248,25 +264,39 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fsdp_ext.ops import triton_kernels as tk
 
-def compile_(fn, signature, constexprs, **options):
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
+BLOCK = tk.BLOCK_SIZE
 bits = {0: "*i32", 1: "*i16", 2: "*i16"}
-for kind, other in itertools.product(range(3), range(3)):
-    compile_(tk._cast_kernel, {"src_ptr": bits[kind], "dst_ptr": bits[other], "n": "i32"},
-             {"SRC_KIND": kind, "DST_KIND": other, "BLOCK": 1024})
-for kind in range(3):
-    compile_(tk._pack_kernel, {"table_ptr": "*i64", "table_stride": "i32", "out_ptr": bits[kind],
-             "n": "i64", "scale": "fp32"}, {"OUT_KIND": kind, "APPLY_SCALE": True, "BLOCK": 1024})
-    compile_(tk._unpack_kernel, {"src_ptr": bits[kind], "table_ptr": "*i64", "table_stride": "i32",
-             "n": "i32"}, {"SRC_KIND": kind, "BLOCK": 1024})
-epilogue = compile_(tk._epilogue_kernel, {"reduced_ptr": "*i16", "out_ptr": "*i32", "n": "i32",
-                    "scale": "fp32"}, {"IN_KIND": 1, "OUT_KIND": 0, "APPLY_SCALE": True,
-                    "ACCUMULATE": True, "BLOCK": 1024}, enable_fp_fusion=False)
-assert "fma" not in epilogue.asm["ptx"], "epilogue must round the product before adding"
-print("compiled")
+variants = []  # (kernel, signature, constexprs, options)
+for n_type in ("i32", "i64"):
+    for kind, other in itertools.product(range(3), range(3)):
+        variants.append((tk._cast_kernel, {"src_ptr": bits[kind], "dst_ptr": bits[other],
+                         "n": n_type}, {"SRC_KIND": kind, "DST_KIND": other, "BLOCK": BLOCK}, {}))
+    for kind, scaled in itertools.product(range(3), (False, True)):
+        variants.append((tk._pack_kernel, {"table_ptr": "*i64", "table_stride": "i32",
+                         "out_ptr": bits[kind], "n": n_type, "scale": "fp32"},
+                         {"OUT_KIND": kind, "APPLY_SCALE": scaled, "BLOCK": BLOCK}, {}))
+    for kind in range(3):
+        variants.append((tk._unpack_kernel, {"src_ptr": bits[kind], "table_ptr": "*i64",
+                         "table_stride": "i32", "n": n_type}, {"SRC_KIND": kind, "BLOCK": BLOCK},
+                         {}))
+    for kind, other, scaled, acc in itertools.product(range(3), range(3), (False, True),
+                                                      (False, True)):
+        variants.append((tk._epilogue_kernel, {"reduced_ptr": bits[kind], "out_ptr": bits[other],
+                         "n": n_type, "scale": "fp32"}, {"IN_KIND": kind, "OUT_KIND": other,
+                         "APPLY_SCALE": scaled, "ACCUMULATE": acc, "BLOCK": BLOCK},
+                         {"enable_fp_fusion": False}))
+compiled = 0
+for capability in (80, 90):
+    target = GPUTarget("cuda", capability, 32)
+    for fn, signature, constexprs, options in variants:
+        signature = {**signature, **{name: "constexpr" for name in constexprs}}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                target=target, options=options)
+        assert kernel.asm["cubin"], (fn.__name__, constexprs)
+        if fn is tk._epilogue_kernel and constexprs["APPLY_SCALE"] and constexprs["ACCUMULATE"]:
+            assert "fma" not in kernel.asm["ptx"], "the epilogue must round the product first"
+        compiled += 1
+print("compiled", compiled)
 """
 
 
@@ -279,5 +309,5 @@ def test_kernels_compile_for_gpu():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run([sys.executable, "-c", _GPU_COMPILE_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "compiled 216" in result.stdout, result.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 For machines without a GPU (CI, laptops): nvcc and torch's CUDA headers are enough. Each .cu is
 compiled with the flags setup.py's build uses (torch include paths, -std=c++20 as torch's headers
-require, TORCH_CUDA_ARCH_LIST, default "8.0;9.0") to an object in a temporary directory that is then
+require, TORCH_CUDA_ARCH_LIST, by default setup.py's "8.0;9.0+PTX") to an object in a temporary directory that is then
 deleted. The exit status is non-zero if any file fails.
 
 This always runs nvcc rather than reusing objects from a previous `pip install -e .`: those live in
@@ -26,13 +26,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # setup.py's default: Ampere, Hopper, PTX for newer GPUs
+
+
 def arch_flags(arch_list: str) -> list[str]:
-    """'8.0;9.0' -> one -gencode per architecture (SASS only, as the build does)."""
+    """'8.0;9.0+PTX' -> one -gencode per architecture: its SASS, and with +PTX also its PTX
+    (which the driver compiles for GPUs newer than any listed), as torch's build does."""
     flags = []
     for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
         if arch:
             number = arch.replace(".", "").replace("+PTX", "")
-            flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+            codes = f"[sm_{number},compute_{number}]" if arch.endswith("+PTX") else f"sm_{number}"
+            flags.append(f"-gencode=arch=compute_{number},code={codes}")
     return flags
 
 
@@ -57,7 +62,7 @@ def nvcc_command(cuda_home: str, source: str, obj: str, arch_list: str) -> list[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", help="default: csrc/cuda/*.cu")
-    parser.add_argument("--arch", default=os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0"))
+    parser.add_argument("--arch", default=os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST))
     parser.add_argument("-v", "--verbose", action="store_true", help="print the nvcc commands")
     args = parser.parse_args()
 

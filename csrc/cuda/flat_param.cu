@@ -1,4 +1,6 @@
 // CUDA kernels for the four ops (schemas in csrc/ops.cpp, semantics in fsdp_ext/ops/reference.py).
+// What each thread does is kernel_bodies.h, which the CPU tests also run (on the host, over the
+// whole grid); this file holds the launches and the host side.
 //
 // pack/unpack: one launch for any number of tensors. The host plan (flat_plan.h) lists the runs of
 // the window; each run gets ceil(length / kElementsPerBlock) blocks of a jagged grid, and a block
@@ -10,6 +12,7 @@
 #include "../checks.h"
 #include "../flat_layout.h"
 #include "../flat_plan.h"
+#include "../kernel_bodies.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -24,101 +27,27 @@
 namespace fsdp_ext {
 namespace {
 
-constexpr int kThreadsPerBlock = 256;
-constexpr int64_t kElementsPerBlock = 4096;  // 16 elements per thread: enough work per block
-
-int64_t blocks_for(int64_t elements) { return (elements + kElementsPerBlock - 1) / kElementsPerBlock; }
-
-// N elements moved as one 8- or 16-byte access.
-template <class T, int N>
-struct alignas(sizeof(T) * N) Packet {
-  T v[N];
-};
-
-template <class T>
-__device__ __forceinline__ int64_t elements_to_boundary(const T* p, uint64_t boundary_bytes) {
-  const uint64_t address = reinterpret_cast<uint64_t>(p);
-  return static_cast<int64_t>((boundary_bytes - address % boundary_bytes) % boundary_bytes /
-                              sizeof(T));
-}
-
-// The block's threads write dst[0, n) = cast(src[0, n) * scale). Packets are used when src and dst
-// reach a packet boundary after the same number of elements; otherwise everything is scalar.
-template <class Src, class Dst>
-__device__ void block_convert(const typename Src::storage* src, typename Dst::storage* dst,
-                              int64_t n, float scale, bool scaled) {
-  using S = typename Src::storage;
-  using D = typename Dst::storage;
-  constexpr int kVec = 16 / (sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D));
-  int64_t head = elements_to_boundary(src, kVec * sizeof(S));
-  if (head != elements_to_boundary(dst, kVec * sizeof(D)) || head > n) head = n;
-  const int64_t packets = (n - head) / kVec;
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) {
-    dst[i] = convert_element<Src, Dst>(src[i], scale, scaled);
-  }
-  const auto* src_packets = reinterpret_cast<const Packet<S, kVec>*>(src + head);
-  auto* dst_packets = reinterpret_cast<Packet<D, kVec>*>(dst + head);
-  for (int64_t p = threadIdx.x; p < packets; p += blockDim.x) {
-    const Packet<S, kVec> in = src_packets[p];
-    Packet<D, kVec> out;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) out.v[k] = convert_element<Src, Dst>(in.v[k], scale, scaled);
-    dst_packets[p] = out;
-  }
-  for (int64_t i = head + packets * kVec + threadIdx.x; i < n; i += blockDim.x) {
-    dst[i] = convert_element<Src, Dst>(src[i], scale, scaled);
-  }
-}
-
-// The block's threads write dst[0, n) = +0 (all-zero bits in every dtype), 16 bytes at a time.
-template <class Dst>
-__device__ void block_zero(typename Dst::storage* dst, int64_t n) {
-  using D = typename Dst::storage;
-  constexpr int kVec = 16 / sizeof(D);
-  const int64_t head = min(n, elements_to_boundary(dst, 16));
-  const int64_t packets = (n - head) / kVec;
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = D(0);
-  auto* dst_packets = reinterpret_cast<Packet<D, kVec>*>(dst + head);
-  const Packet<D, kVec> zeros = {};
-  for (int64_t p = threadIdx.x; p < packets; p += blockDim.x) dst_packets[p] = zeros;
-  for (int64_t i = head + packets * kVec + threadIdx.x; i < n; i += blockDim.x) dst[i] = D(0);
-}
-
-// Table of num_runs runs, five int64 columns one after another (filled by upload_runs):
-//   first_block | window_begin | length | tensor_address | tensor_dtype
-// kPack: tensors -> flat window (zero-fill runs write zeros); otherwise flat window -> tensors.
+// The kernels: each thread runs its body from kernel_bodies.h (shared with the host tests).
 template <bool kPack>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     flat_runs_kernel(const int64_t* __restrict__ table, int64_t num_runs, char* flat,
                      int64_t flat_dtype, float scale, bool scaled) {
-  const int64_t* first_block = table;
-  const int64_t run = find_segment(first_block, num_runs, blockIdx.x);
-  const int64_t window_begin = table[num_runs + run];
-  const int64_t length = table[2 * num_runs + run];
-  char* tensor = reinterpret_cast<char*>(table[3 * num_runs + run]);
-  const int64_t tensor_dtype = table[4 * num_runs + run];
+  flat_runs_block<kPack>(table, num_runs, flat, flat_dtype, scale, scaled, blockIdx.x, threadIdx.x,
+                         blockDim.x);
+}
 
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) - first_block[run]) * kElementsPerBlock;
-  const int64_t count = min(kElementsPerBlock, length - first);
-  char* flat_at = flat + (window_begin + first) * element_size(flat_dtype);
-  if (tensor_dtype == kZeroFill) {
-    with_element_type(flat_dtype, [&](auto flat_type) {
-      using F = decltype(flat_type);
-      block_zero<F>(reinterpret_cast<typename F::storage*>(flat_at), count);
-    });
-    return;
-  }
-  char* tensor_at = tensor + first * element_size(tensor_dtype);
-  char* src = kPack ? tensor_at : flat_at;
-  char* dst = kPack ? flat_at : tensor_at;
-  with_element_type(kPack ? tensor_dtype : flat_dtype, [&](auto src_type) {
-    with_element_type(kPack ? flat_dtype : tensor_dtype, [&](auto dst_type) {
-      using S = decltype(src_type);
-      using D = decltype(dst_type);
-      block_convert<S, D>(reinterpret_cast<const typename S::storage*>(src),
-                          reinterpret_cast<typename D::storage*>(dst), count, scale, scaled);
-    });
-  });
+template <class Src, class Dst>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    cast_kernel(const typename Src::storage* src, typename Dst::storage* dst, int64_t n) {
+  cast_block<Src, Dst>(src, dst, n, blockIdx.x, threadIdx.x, blockDim.x);
+}
+
+template <class Src, class Dst>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    epilogue_kernel(const typename Src::storage* reduced, typename Dst::storage* out, int64_t n,
+                    float scale, bool scaled, bool accumulate) {
+  epilogue_block<Src, Dst>(reduced, out, n, scale, scaled, accumulate, blockIdx.x, threadIdx.x,
+                           blockDim.x);
 }
 
 // Copies the run table to `device`; returns it and sets *total_blocks to the grid size.
@@ -126,17 +55,7 @@ at::Tensor upload_runs(const std::vector<FlatRun>& runs, const c10::Device& devi
                        int64_t* total_blocks) {
   const int64_t count = static_cast<int64_t>(runs.size());
   at::Tensor host = at::empty({5 * count}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* columns = host.data_ptr<int64_t>();
-  int64_t blocks = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    columns[i] = blocks;
-    columns[count + i] = runs[i].window_begin;
-    columns[2 * count + i] = runs[i].length;
-    columns[3 * count + i] = reinterpret_cast<int64_t>(runs[i].tensor_data);
-    columns[4 * count + i] = runs[i].tensor_dtype;
-    blocks += blocks_for(runs[i].length);
-  }
-  *total_blocks = blocks;
+  *total_blocks = fill_run_table(runs, host.data_ptr<int64_t>());
   // The caching host allocator keeps `host` alive until this copy has run on the stream.
   return host.to(device, at::kLong, /*non_blocking=*/true);
 }
@@ -173,13 +92,6 @@ void unpack_cuda(const at::Tensor& src, int64_t src_offset, at::IntArrayRef offs
   launch_runs(plan_runs(outs, offsets, src_offset, src.numel(), false), src, false, 1.0f, false);
 }
 
-template <class Src, class Dst>
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    cast_kernel(const typename Src::storage* src, typename Dst::storage* dst, int64_t n) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kElementsPerBlock;
-  block_convert<Src, Dst>(src + first, dst + first, min(kElementsPerBlock, n - first), 1.0f, false);
-}
-
 // shard: any shape, n elements; gathered: [>= (slot + 1) * n]; writes gathered[slot*n, (slot+1)*n).
 void cast_into_slot_cuda(const at::Tensor& shard, const at::Tensor& gathered, int64_t slot) {
   check_cast_into_slot_args(shard, gathered, slot);
@@ -198,17 +110,6 @@ void cast_into_slot_cuda(const at::Tensor& shard, const at::Tensor& gathered, in
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <class Src, class Dst>
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    epilogue_kernel(const typename Src::storage* reduced, typename Dst::storage* out, int64_t n,
-                    float scale, bool scaled, bool accumulate) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kElementsPerBlock;
-  const int64_t end = min(first + kElementsPerBlock, n);
-  for (int64_t i = first + threadIdx.x; i < end; i += blockDim.x) {
-    out[i] = epilogue_element<Src, Dst>(reduced[i], out[i], scale, scaled, accumulate);
-  }
 }
 
 // reduced: any shape, n elements; out: any shape, n elements (updated in place).

@@ -79,7 +79,8 @@ def _f16_bits_from_f32(x):
     subnormal = quotient + round_up.to(tl.uint32)
     result = tl.where(mag >= 0x38800000, normal, subnormal)
     result = tl.where(mag >= 0x477FF000, 0x7C00, result)  # >= 65520 rounds to inf
-    result = tl.where(mag > 0x7F800000, 0x7E00 | (mag >> 13), result)
+    # NaN: quiet, top payload bits kept; masked to 10 bits so no exponent bit reaches the sign.
+    result = tl.where(mag > 0x7F800000, 0x7E00 | ((mag >> 13) & 0x3FF), result)
     return (result | sign).to(tl.uint16)
 
 

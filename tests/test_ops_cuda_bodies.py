@@ -1,0 +1,119 @@
+"""The CUDA kernels' own bodies (csrc/kernel_bodies.h), run on the host over their whole grid by
+fsdp_ext._C.cuda_bodies_*, against the plain-torch reference and bit for bit against the C++ CPU
+kernels (the same per-element conversions, other loops). Where an element is only converted
+(casts, unscaled packs, unpack) NaN payloads and signs must match too: the conversions are integer
+bit operations. After arithmetic (a scale, the accumulation) they need not: IEEE leaves the payload
+of a NaN result unspecified (GPUs return their canonical NaN, x86 the first operand's), so there
+NaN positions are compared and every other value bit for bit.
+
+This is the code the GPU executes, packet alignment, tails and the jagged-grid run lookup included:
+every dtype pair; NaN, +-inf, subnormals, -0 and rounding ties; windows that cut tensors; runs longer
+than one block (4096 elements); addresses that are not 16-byte aligned; empty tensors.
+"""
+import itertools
+
+import pytest
+import torch
+
+import fsdp_ext.ops as ops
+
+from .test_ops_cpp import BITS, PAIRS, SCALES, assert_bitwise_equal, random_layout, stress_values
+
+pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="fsdp_ext._C is not built")
+if ops.HAVE_EXTENSION:
+    from fsdp_ext import _C
+
+# Element counts: empty, one, a packet's tail, one block exactly, several blocks with a tail.
+SIZES = [0, 1, 7, 9, 4096, 2 * 4096 + 5, 300]
+
+
+def assert_identical(actual, expected, arithmetic: bool = False):
+    """Every bit equal, NaN signs and payloads included (after `arithmetic`: NaN positions)."""
+    differ = actual.view(BITS[actual.dtype]) != expected.view(BITS[expected.dtype])
+    if arithmetic:
+        differ &= ~(actual.isnan() & expected.isnan())
+    assert not bool(differ.any()), f"{int(differ.sum())} elements differ in their bits"
+
+
+def misaligned(values: torch.Tensor, shift: int) -> torch.Tensor:
+    """`values` copied into a buffer at element offset `shift`: its address is then not 16-byte
+    aligned for shift % (16 / itemsize) != 0, which sends the kernels down their scalar paths."""
+    buffer = torch.empty(values.numel() + shift, dtype=values.dtype)
+    view = buffer[shift:]
+    view.copy_(values.reshape(-1))
+    return view.view(values.shape)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_pack(src_dtype, dst_dtype, scale, shift):
+    numels = SIZES
+    offsets, total = random_layout(numels, seed=shift)
+    srcs = [misaligned(stress_values(n, src_dtype, seed=i), (shift + i) % 8)
+            for i, n in enumerate(numels)]
+    for lo, hi in [(0, total), (3, total - 4097), (5000, 5001), (0, 0)]:
+        got = misaligned(torch.full((hi - lo,), 7.0, dtype=dst_dtype), shift)
+        want, cpp = got.clone(), got.clone()
+        _C.cuda_bodies_pack(srcs, offsets, got, lo, scale)
+        ops.pack(srcs, offsets, want, lo, scale, backend="torch")
+        ops.pack(srcs, offsets, cpp, lo, scale, backend="cpp")
+        assert_bitwise_equal(got, want)
+        assert_identical(got, cpp, arithmetic=scale != 1.0)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS)
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_unpack(src_dtype, dst_dtype, shift):
+    numels = SIZES
+    offsets, total = random_layout(numels, seed=10 + shift)
+    for lo, hi in [(0, total), (2, total - 4100), (4100, 4100 + 4097)]:
+        src = misaligned(stress_values(hi - lo, src_dtype, seed=lo), shift)
+        got = [misaligned(torch.full((n,), -5.0, dtype=dst_dtype), (shift + i) % 8)
+               for i, n in enumerate(numels)]
+        want, cpp = [t.clone() for t in got], [t.clone() for t in got]
+        _C.cuda_bodies_unpack(src, lo, offsets, got)
+        ops.unpack(src, lo, offsets, want, backend="torch")
+        ops.unpack(src, lo, offsets, cpp, backend="cpp")
+        for g, w, c in zip(got, want, cpp):
+            assert_bitwise_equal(g, w)
+            assert_identical(g, c)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS)
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_cast_into_slot(src_dtype, dst_dtype, shift):
+    for n, slot in itertools.product(SIZES, (0, 2)):
+        shard = misaligned(stress_values(n, src_dtype, seed=n), shift)
+        got = misaligned(torch.full((3 * n,), 9.0, dtype=dst_dtype), (shift * 3) % 8)
+        want, cpp = got.clone(), got.clone()
+        _C.cuda_bodies_cast_into_slot(shard, got, slot)
+        ops.cast_into_slot(shard, want, slot, backend="torch")
+        ops.cast_into_slot(shard, cpp, slot, backend="cpp")
+        assert_bitwise_equal(got, want)
+        assert_identical(got, cpp)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_grad_epilogue(src_dtype, dst_dtype, scale, accumulate):
+    for i, n in enumerate(SIZES):
+        reduced = misaligned(stress_values(n, src_dtype, seed=i), i % 4)
+        got = misaligned(stress_values(n, dst_dtype, seed=100 + i), (i + 1) % 4)
+        want, cpp = got.clone(), got.clone()
+        _C.cuda_bodies_grad_epilogue(reduced, got, scale, accumulate)
+        ops.grad_epilogue(reduced, want, scale, accumulate, backend="torch")
+        ops.grad_epilogue(reduced, cpp, scale, accumulate, backend="cpp")
+        assert_bitwise_equal(got, want)
+        assert_identical(got, cpp, arithmetic=accumulate or scale != 1.0)
+
+
+def test_bad_arguments_are_refused_as_on_the_gpu():
+    """The host runner goes through the CUDA host side's argument checks."""
+    with pytest.raises(ValueError, match="gathered: 6 elements cannot hold slot 1 of 4"):
+        _C.cuda_bodies_cast_into_slot(torch.ones(4), torch.empty(6), 1)
+    with pytest.raises(ValueError, match="reduced has 3 elements but out has 4"):
+        _C.cuda_bodies_grad_epilogue(torch.ones(3), torch.empty(4), 1.0, False)
+    with pytest.raises(ValueError, match="srcs\\[0\\]: dtype Int is not one of fp32/bf16/fp16"):
+        _C.cuda_bodies_pack([torch.ones(4, dtype=torch.int32)], [0], torch.empty(4), 0, 1.0)
