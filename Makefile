@@ -5,7 +5,7 @@ VPY      = $(VENV)/bin/python
 TORCH   ?= torch==2.14.1
 NPROC   ?= 2
 
-.PHONY: venv build test test-all soak cuda-check train train-smoke bench clean
+.PHONY: venv build test test-all soak stream-check cuda-check gpu-check train train-smoke bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -37,9 +37,19 @@ SOAK_STEPS ?= 100
 soak: build
 	FSDP_EXT_SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest -q tests/test_soak.py --runslow
 
+# The runtime's side-stream (GPU) path on CPU under the stream-order model: races and early frees
+# across every sharding strategy, prefetch depth, no_sync, offload, HSDP, mixed precision, ...
+stream-check: build
+	$(VPY) -m pytest -q tests/test_stream_check.py --stream-check
+
 # Compile-checks the CUDA sources with nvcc (no GPU needed).
 cuda-check: venv
 	$(VPY) tools/cuda_check.py
+
+# The checks to run on a machine with CUDA GPUs (kernels, NCCL runtime, delayed side streams, main
+# job, GPU benchmark tables); without a GPU it says so and exits 0.
+gpu-check: build
+	$(VPY) tools/gpu_check.py
 
 # The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), a few minutes.
 train: build

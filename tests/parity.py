@@ -96,18 +96,19 @@ class Case:
         return f"{self.model}/{self.api}/{self.strategy}{'/bf16' if self.bf16 else ''}"
 
 
-def _hsdp_mesh(world_size: int):
+def _hsdp_mesh(world_size: int, device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
 
 
 def wrap(case: Case, model: nn.Module, world_size: int) -> nn.Module:
+    device_type = next(model.parameters()).device.type
     classes = unit_classes(case.model)
     if case.api == "fsdp1":
         strategy = getattr(fsdp_ext.ShardingStrategy, case.strategy)
         mp = fsdp_ext.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=True) if case.bf16 else None
-        mesh = _hsdp_mesh(world_size) if case.strategy == "HYBRID_SHARD" else None
+        mesh = _hsdp_mesh(world_size, device_type) if case.strategy == "HYBRID_SHARD" else None
         return fsdp_ext.FullyShardedDataParallel(
             model, auto_wrap_policy=fsdp_ext.ModuleWrapPolicy(classes), sharding_strategy=strategy,
             mixed_precision=mp, device_mesh=mesh, **case.extra)
@@ -116,7 +117,7 @@ def wrap(case: Case, model: nn.Module, world_size: int) -> nn.Module:
         kwargs["mp_policy"] = fsdp_ext.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                             reduce_dtype=torch.float32)
     if case.strategy == "HYBRID_SHARD":
-        kwargs["mesh"] = _hsdp_mesh(world_size)
+        kwargs["mesh"] = _hsdp_mesh(world_size, device_type)
     reshard = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True,
                "RESHARD_2": 2}[case.strategy]
     for module in model.modules():
@@ -126,8 +127,8 @@ def wrap(case: Case, model: nn.Module, world_size: int) -> nn.Module:
     return model
 
 
-def run_case(case: Case, rank: int, world_size: int) -> None:
-    reference = build_model(case.model)
+def run_case(case: Case, rank: int, world_size: int, device: str = "cpu") -> None:
+    reference = build_model(case.model).to(device)
     model = wrap(case, copy.deepcopy(reference), world_size)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
@@ -139,7 +140,7 @@ def run_case(case: Case, rank: int, world_size: int) -> None:
         # expected and then feeds into the fp32 weights' gradients of later steps.
         loss_tol = param_tol = dict(atol=1e-3, rtol=1e-2)
     for step in range(case.steps):
-        inputs, targets = make_batch(case.model, step, 2 * world_size)
+        inputs, targets = (t.to(device) for t in make_batch(case.model, step, 2 * world_size))
         loss = compute_loss(case.model, model, local_slice(inputs, rank, world_size),
                             local_slice(targets, rank, world_size))
         loss.backward()
@@ -180,11 +181,11 @@ def cases_for(world_size: int) -> list[Case]:
     return cases
 
 
-def parity_worker(rank: int, world_size: int) -> None:
+def parity_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     failures = []
     for case in cases_for(world_size):
         try:
-            run_case(case, rank, world_size)
+            run_case(case, rank, world_size, device)
         except AssertionError as exc:  # keep going: one run reports every failing case
             failures.append(f"{case.name}: {exc}")
     if failures:

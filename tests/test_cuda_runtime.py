@@ -15,6 +15,7 @@ import fsdp_ext
 from models import GPT, GPTConfig
 
 from .dist_utils import global_mean, local_slice, run_distributed
+from .parity import parity_worker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -55,3 +56,14 @@ def cuda_parity_worker(rank: int, world_size: int) -> None:
 def test_cuda_nccl_parity():
     world_size = min(torch.cuda.device_count(), 2)
     run_distributed(cuda_parity_worker, world_size, backend="nccl")
+
+
+def _parity_suite_on_cuda(rank: int, world_size: int) -> None:
+    parity_worker(rank, world_size, f"cuda:{rank}")
+
+
+def test_parity_suite_on_cuda():
+    """tests/parity.py's cases (both APIs, every strategy, bf16, mixed dtypes) on CUDA + NCCL;
+    HSDP and reshard_after_forward=2 need 4 GPUs."""
+    world_size = 4 if torch.cuda.device_count() >= 4 else min(torch.cuda.device_count(), 2)
+    run_distributed(_parity_suite_on_cuda, world_size, backend="nccl")
