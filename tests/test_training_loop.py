@@ -185,6 +185,30 @@ def check_cpu_offload(rank: int, world_size: int) -> None:
     _assert_params_match(model, reference)
 
 
+def check_forward_without_backward_then_update(rank: int, world_size: int) -> None:
+    """reshard_after_forward=2 keeps a chunk of each unit for a cheaper regather in backward. A
+    forward whose backward never runs, then an in-place parameter update: the next step must
+    gather the new values, not the chunks the abandoned forward kept."""
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(vocab_size=41, block_size=8, n_layer=2, n_head=2, d_model=16))
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fsdp_ext.fully_shard(block, reshard_after_forward=2)
+    fsdp_ext.fully_shard(model)
+    idx = torch.randint(0, 41, (2 * world_size, 8), generator=torch.Generator().manual_seed(0))
+    mine = local_slice(idx, rank, world_size)
+    model(mine, mine)  # the graph is dropped: no backward
+    with torch.no_grad():
+        for p in [*model.parameters(), *reference.parameters()]:
+            p.mul_(0.5)
+    loss = model(mine, mine)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total / world_size, reference(idx, idx).detach(), atol=1e-6,
+                               rtol=1e-5)
+
+
 def check_checkpoint_wrapper(rank: int, world_size: int) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing)
@@ -246,6 +270,8 @@ def training_loop_worker(rank: int, world_size: int) -> None:
     check_tiny_units_clip(rank, world_size)
     check_meta_init(rank, world_size)
     check_cpu_offload(rank, world_size)
+    if world_size == 4:
+        check_forward_without_backward_then_update(rank, world_size)
     check_checkpoint_wrapper(rank, world_size)
     check_tied_across_units_rejected(rank, world_size)
     dist.barrier()

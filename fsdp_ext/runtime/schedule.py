@@ -50,6 +50,10 @@ class Schedule:
         # without blocking the host. Its latest event, until the host has waited for it: the host
         # (optimizer steps, state-dict loads, user edits) must not write a shard before that.
         self.host_read_event = None
+        # Units a forward with grad left unsharded (the root, the last unit) for its backward;
+        # emptied when that backward ends. Still there at the next root forward: that backward
+        # never ran, and their gathered values may be stale (the shards may have changed since).
+        self.kept_for_backward: list[Unit] = []
 
     @classmethod
     def create(cls, root: Unit) -> "Schedule":
@@ -75,6 +79,9 @@ class Schedule:
         if self._backward_queued:  # the last backward raised before its end-of-backward callback
             self.abandon_backward()
         self.drain_reduce_scatters()
+        for unit in self.kept_for_backward:  # by a forward whose backward never ran
+            unit.reshard()
+        self.kept_for_backward = []
         for unit in self.units:  # users edit models between steps: check before any collective
             unit.check_params_unchanged()
             unit.post_forward_chunks = None  # kept by a forward whose backward never ran
@@ -96,6 +103,9 @@ class Schedule:
         if not torch.is_grad_enabled():
             self.reshard_all()
             self.sync_host_reads()  # no backward follows: the next host write may come now
+        else:
+            self.kept_for_backward = [u for u in self.units
+                                      if u.unsharded or u.pending_unshard is not None]
 
     def is_last_in_forward(self, unit: Unit) -> bool:
         return bool(self.forward_order) and self.forward_order[-1] is unit
@@ -143,6 +153,7 @@ class Schedule:
         """Runs once when autograd finishes: flush gradients, free whatever is still unsharded."""
         self.drain_reduce_scatters()
         self.sync_host_reads()
+        self.kept_for_backward = []
         for unit in self.units:
             unit.reshard()
             # A recomputation (activation checkpointing) may stop early, before post-forward
