@@ -95,7 +95,7 @@ class Block:
     stack: list
     write: Access | None = None
     reads: dict[str, Access] = field(default_factory=dict)
-    weak: int | None = None                     # weak reference, once several streams touched it
+    weak: int | None = None                     # weak reference to the storage
 
 
 class ModelStream:
@@ -248,33 +248,36 @@ class StreamModel:
         storage = tensor.untyped_storage()
         old = self.blocks.pop(storage._cdata, None)
         if old is not None:  # a storage we had not seen die: its address is taken again
-            if old.weak is not None and torch.UntypedStorage._expired(old.weak):
+            if torch.UntypedStorage._expired(old.weak):
                 self._freed(old, storage._cdata, "freed (its last reference dropped) before",
                             stack)
             else:
                 self._forget(old, storage._cdata)
-        block = Block(stream, storage.nbytes(), host, op, stack)
+        block = Block(stream, storage.nbytes(), host, op, stack, weak=storage._weak_ref())
         self.blocks[storage._cdata] = block
         return block
 
     def _block(self, tensor: torch.Tensor) -> Block:
+        """The block of `tensor`'s storage. A storage object lives at an address that a dead one
+        may have had (one that no op we saw allocated, e.g. `torch.tensor(...)`): the weak
+        reference tells them apart."""
         storage = tensor.untyped_storage()
         block = self.blocks.get(storage._cdata)
+        if block is not None and torch.UntypedStorage._expired(block.weak):
+            block = None  # (_new_block retires the dead one)
         if block is None:  # made before the check started, or outside any op we saw
             block = self._new_block(tensor, self._default(tensor.device).name, "(earlier)", [])
         return block
 
     def _watch(self, block: Block, tensor: torch.Tensor) -> None:
-        if block.weak is None and not block.host:
-            storage = tensor.untyped_storage()
-            block.weak = storage._weak_ref()
-            self.watched[storage._cdata] = block
+        if not block.host:
+            self.watched[tensor.untyped_storage()._cdata] = block
 
     def _forget(self, block: Block, key: int) -> None:
         if block.weak is not None:
             torch.UntypedStorage._free_weak_ref(block.weak)
             block.weak = None
-            self.watched.pop(key, None)
+        self.watched.pop(key, None)
 
     def poll_frees(self) -> None:
         """Watched blocks whose storage died since the last look (last reference dropped)."""
