@@ -41,7 +41,7 @@ import rss  # noqa: E402
 from tensor_memory import TensorMemory  # noqa: E402
 import step_report  # noqa: E402
 from step_frameworks import (  # noqa: E402
-    DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, tensor_accounting, wrap)
+    DEFAULT, FRAMEWORKS, LARGE, WRAPPERS, build_model, make_batch, tensor_accounting, wrap)
 
 
 class Trainer:
@@ -264,7 +264,7 @@ def main() -> None:
                    help="steps of the memory phase (each framework alone, after --warmup)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--prefetch", type=int, default=1, help="fsdp_ext prefetch depth")
-    p.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=FRAMEWORKS)
+    p.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=list(WRAPPERS))
     p.add_argument("--no-plan", action="store_true", help="skip the planner's prediction")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory")

@@ -9,6 +9,11 @@ same AdamW; only the wrapping differs:
     fsdp2     torch.distributed.fsdp.fully_shard per block, then the root (defaults)
     local     no wrapping, no communication: each rank trains its own replica. The compute floor
               every framework pays; not a data-parallel training run.
+and, on request (--frameworks), fsdp_ext's candidate ways to gather its DTensor parameters
+(fsdp_ext/runtime/layout.py, [Note: gather groups]) and its FSDP1 layout:
+    fsdp_ext-direct   every parameter gathered directly into its place (one collective each)
+    fsdp_ext-copied   every parameter of a unit gathered in one collective, then copied out
+    fsdp_ext-flat     fsdp_ext.FullyShardedDataParallel: the flat layout with 1-D views (FSDP1's)
 """
 from __future__ import annotations
 
@@ -78,6 +83,22 @@ def _wrap_fsdp_ext(model, device, options):
     return fsdp_ext.fully_shard(model, **options)
 
 
+def _wrap_fsdp_ext_split(direct_min_numel: int):
+    def wrap(model, device, options):
+        from fsdp_ext.api.fully_shard import shard_module
+        for layer in model.layers:
+            shard_module(layer, layout="rows", direct_min_numel=direct_min_numel, **options)
+        return shard_module(model, layout="rows", direct_min_numel=direct_min_numel, **options)
+    return wrap
+
+
+def _wrap_fsdp_ext_flat(model, device, options):
+    import fsdp_ext
+    return fsdp_ext.FullyShardedDataParallel(
+        model, auto_wrap_policy=fsdp_ext.ModuleWrapPolicy({BLOCK_CLASS}),
+        forward_prefetch=options.get("forward_prefetch", 1) > 0)
+
+
 def _wrap_ddp(model, device, options):
     from torch.nn.parallel import DistributedDataParallel
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
@@ -102,8 +123,11 @@ def _wrap_fsdp2(model, device, options):
 
 WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp1": _wrap_fsdp1, "fsdp2": _wrap_fsdp2,
-            "local": lambda model, device, options: model}
-FRAMEWORKS = list(WRAPPERS)
+            "local": lambda model, device, options: model,
+            "fsdp_ext-direct": _wrap_fsdp_ext_split(1),
+            "fsdp_ext-copied": _wrap_fsdp_ext_split(1 << 62),
+            "fsdp_ext-flat": _wrap_fsdp_ext_flat}
+FRAMEWORKS = ["fsdp_ext", "ddp", "fsdp1", "fsdp2", "local"]  # the default run
 
 
 def wrap(name: str, model: nn.Module, device: torch.device,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp_ext
 from fsdp_ext.state.checkpoint import quiet_sharded_tensor
@@ -41,8 +43,11 @@ def assert_same_full(model, expected: dict, what: str, exact: bool = True) -> No
 
 # ---- sharded entries -------------------------------------------------------------------------------
 def check_sharded_entries(case: Case, world_size: int) -> None:
-    """Right after wrapping: keys of the unwrapped model; each parameter a flattened ShardedTensor
-    whose local shard is this rank's range and whose shards tile [0, numel) once."""
+    """Right after wrapping: keys of the unwrapped model. fully_shard: each parameter a DTensor
+    of the parameter's shape, Shard(0) on the shard dimension, whose local tensor is torch.chunk's
+    chunk for this rank and whose full_tensor() is the parameter. FullyShardedDataParallel (FSDP1):
+    a flattened ShardedTensor whose local shard is this rank's range and whose shards tile
+    [0, numel) once."""
     reference = build_model(case.model)
     model = wrap(case, copy.deepcopy(reference), world_size)
     sd, expected = model.state_dict(), reference.state_dict()
@@ -53,6 +58,15 @@ def check_sharded_entries(case: Case, world_size: int) -> None:
             assert torch.equal(sd[key], value), key
             continue
         entry = sd[key]
+        if case.api == "fully_shard":
+            assert isinstance(entry, DTensor) and entry.shape == value.shape, (key, type(entry))
+            assert entry.placements[-1] == Shard(0), (key, entry.placements)
+            shards, rank = entry.device_mesh.size(-1), entry.device_mesh.get_local_rank(-1)
+            chunks = torch.chunk(value, shards, dim=0)
+            mine = chunks[rank] if rank < len(chunks) else value[:0]
+            assert torch.equal(entry.to_local(), mine), key
+            assert torch.equal(entry.full_tensor(), value), key
+            continue
         assert isinstance(entry, ShardedTensor), f"{key}: {type(entry)}"
         md = entry.metadata()
         assert list(md.size) == [value.numel()], (key, md.size)
@@ -245,8 +259,9 @@ def load_resharded(rank: int, world_size: int, directory: str) -> None:
         assert_same_full(model, expected, f"world {world_size} load of {strategy}")
         metadata = dcp.FileSystemReader(path).read_metadata()
         for key, md in metadata.state_dict_metadata.items():
-            chunks = sorted((c.offsets[0], c.sizes[0]) for c in md.chunks)
-            assert sum(size for _, size in chunks) == md.size.numel(), (strategy, key, chunks)
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+            assert sum(math.prod(size) for _, size in chunks) == md.size.numel(), (
+                strategy, key, chunks)
 
 
 # ---- safetensors ------------------------------------------------------------------------------------

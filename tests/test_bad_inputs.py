@@ -120,7 +120,7 @@ def check_replaced_parameter(rank: int, world_size: int) -> None:
         else:
             model[1].weight.data = torch.randn(3, 7)
             pattern = (r"parameter '1\.weight' had its \.data replaced after fully_shard \(now "
-                       r"shape \[3, 7\]; this rank's shard is \[\d+\] of the original \[3, 7\]\)")
+                       r"shape \[3, 7\]; this rank's shard is \[[\d, ]+\] of the original \[3, 7\]\)")
         with pytest.raises(RuntimeError, match=pattern):
             model(x)
         assert _collectives_issued(model) == before, "raised only after issuing collectives"
@@ -189,12 +189,20 @@ def check_optimizer_mismatch(rank: int, world_size: int) -> None:
                                          r"FSDPSequential; it has the unsharded shape of "
                                          r"'0\.0\.weight'"):
         fsdp_ext.check_optimizer(model, torch.optim.AdamW(reference.parameters()))
-    # An optimizer that stepped before wrapping holds full-shape state.
+    # An optimizer built before fully_shard holds the parameters fully_shard replaced.
+    early = _mlp()
+    opt = torch.optim.AdamW(early.parameters())
+    _shard(early)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is parameter "
+                                         r"'0\.0\.weight' as it was before fully_shard"):
+        fsdp_ext.check_optimizer(early, opt)
+    # FullyShardedDataParallel keeps the parameter objects (FSDP1's flat views): an optimizer that
+    # stepped before wrapping holds full-shape state.
     early = _mlp()
     opt = torch.optim.AdamW(early.parameters())
     _loss(early, _batch(world_size)).backward()
     opt.step()
-    _shard(early)
+    early = fsdp_ext.FullyShardedDataParallel(early)
     with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' of parameter '0\.0\.weight' "
                                          r"has shape \[7, 5\], the parameter's local shard is "
                                          r"\[\d+\]: the optimizer stepped before fully_shard"):

@@ -24,7 +24,7 @@ def _param_rows(text: str) -> dict[str, tuple[list[int], str, bool, int, int]]:
     for line in text.splitlines():
         if m := re.match(r"unit '([^']*)'", line):
             unit = m.group(1)
-        m = re.match(r"\s{4}(\S+)\s+\[([\d, ]*)\]\s+(\w+)\s+requires_grad=(True|False)\s+offset\s+"
+        m = re.match(r"\s{4}(\S+)\s+\[([\d, ]*)\]\s+(\w+)\s+requires_grad=(True|False)\s+shard offset\s+"
                      r"([\d,]+)\s+this rank\s+([\d,]+)", line)
         if m:
             shape = [int(x) for x in m.group(2).split(",") if x.strip()]
@@ -64,7 +64,8 @@ def test_describe_lists_every_parameter_and_the_order():
 
 
 def test_describe_buckets_padding_and_bytes():
-    """Sizes recomputed here from the unwrapped module: 8-element alignment, fp32 and bf16."""
+    """Sizes recomputed here from the unwrapped module: 8-element alignment, fp32 and bf16. One
+    rank holds every parameter whole; these small ones are gathered together (one copied group)."""
     torch.manual_seed(0)
     reference = MLP()  # prime widths: every parameter needs alignment padding
     model = copy.deepcopy(reference)
@@ -80,15 +81,16 @@ def test_describe_buckets_padding_and_bytes():
             assert rows[f"blocks.{i}.{name}"][3] == offset, (name, rows[f"blocks.{i}.{name}"])
             offset += p.numel()
         used = sum(p.numel() for p in block.parameters())
-        m = re.search(rf"unit 'blocks\.{i}'.*?\n  bucket 0: float32, requires_grad=True, 4 param\(s\), "
-                      rf"([\d,]+) elements \+ ([\d,]+) padding = ([\d,]+).*?\n.*?sharded ([\d.]+) KiB, "
-                      rf"unsharded ([\d.]+) KiB as bfloat16", text, re.S)
+        padded = (offset + 7) // 8 * 8
+        m = re.search(rf"unit 'blocks\.{i}'.*?\n  bucket 0: float32, requires_grad=True, 4 param\(s\) "
+                      rf"\(DTensor Shard\(0\) rows\), ([\d,]+) elements; ([\d,]+) per rank, padding "
+                      rf"included; 1 all-gather\(s\), 4 param\(s\) copied out.*?\n.*?sharded "
+                      rf"([\d.]+) KiB, unsharded ([\d.]+) KiB as bfloat16", text, re.S)
         assert m, text
         assert int(m.group(1).replace(",", "")) == used
-        assert int(m.group(3).replace(",", "")) == offset  # world size 1: no tail padding
-        assert int(m.group(2).replace(",", "")) == offset - used
-        assert float(m.group(4)) == round(offset * 4 / 1024, 1)   # fp32 shard
-        assert float(m.group(5)) == round(offset * 2 / 1024, 1)   # bf16 while gathered
+        assert int(m.group(2).replace(",", "")) == padded
+        assert float(m.group(3)) == round(padded * 4 / 1024, 1)   # fp32 shard
+        assert float(m.group(4)) == round(padded * 2 / 1024, 1)   # bf16 while gathered
 
 
 def test_describe_fsdp1_names_and_unsharded_model():

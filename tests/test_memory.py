@@ -10,10 +10,11 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import fsdp_ext
-from fsdp_ext.runtime.flat_param import ALIGN
 from fsdp_ext.diagnostics.memory import memory_report
+from fsdp_ext.runtime.layout import ALIGN
 from models import GPT, GPTConfig
 
 from .dist_utils import run_distributed
@@ -21,14 +22,22 @@ from .dist_utils import run_distributed
 CFG = GPTConfig(vocab_size=50, block_size=8, n_layer=3, n_head=2, d_model=24)
 
 
+def _local(t):
+    """A DTensor's local tensor (what this rank stores), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _storages(tensors) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+    return sum({_local(t).untyped_storage().data_ptr(): _local(t).untyped_storage().nbytes()
                 for t in tensors if t is not None}.values())
 
 
-def _padding_bound(module, world_size: int) -> int:
-    """Most elements padding can add to a module's sharded size (alignment + the tail)."""
-    return ALIGN * sum(1 for _ in module.parameters()) + world_size
+def _padding_bound(params, world_size: int) -> int:
+    """Most elements padding can add to these parameters' sharded size over all ranks: each is
+    cut into world_size chunks of whole rows (at most world_size - 1 rows of padding) and every
+    rank aligns its chunk."""
+    return sum((world_size - 1) * (p[0].numel() if p.dim() else 1) + world_size * ALIGN
+               for p in params) + world_size * ALIGN
 
 
 def _sum_over_ranks(value: int) -> int:
@@ -58,7 +67,7 @@ def check_report(rank: int, world_size: int) -> None:
     assert report["params"] == _storages(p for p in model.parameters()), report
     total = _full_bytes(reference.parameters(), 4)
     summed = _sum_over_ranks(report["params"])
-    assert total <= summed <= total + 4 * _padding_bound(reference, world_size) * (CFG.n_layer + 1)
+    assert total <= summed <= total + 4 * _padding_bound(reference.parameters(), world_size)
     assert report["grads"] == report["optimizer"] == report["unsharded"] == 0, report
     assert report["units"] == CFG.n_layer + 1
 
@@ -67,9 +76,9 @@ def check_report(rank: int, world_size: int) -> None:
     # last block.
     root_params = [p for n, p in reference.named_parameters() if not n.startswith("blocks.")]
     root = _full_bytes(root_params, 4)
-    root_slack = 4 * (ALIGN * len(root_params) + world_size)
+    root_slack = 4 * _padding_bound(root_params, world_size)
     last = _full_bytes(reference.blocks[-1].parameters(), 4)
-    last_slack = 4 * _padding_bound(reference.blocks[-1], world_size)
+    last_slack = 4 * _padding_bound(list(reference.blocks[-1].parameters()), world_size)
     loss = model(idx, idx)
     report = memory_report(model, opt)
     assert root <= report["unsharded"] <= root + root_slack, (report, root)
@@ -83,7 +92,7 @@ def check_report(rank: int, world_size: int) -> None:
     params = list(model.parameters())
     assert report["unsharded"] == 0, report
     assert report["grads"] == _storages(p.grad for p in params) == report["params"], report
-    adamw = sum(2 * p.numel() * 4 + 4 for p in params)
+    adamw = sum(2 * _local(p).numel() * 4 + 4 for p in params)
     assert report["optimizer"] == adamw, (report["optimizer"], adamw)
     assert report["total"] == sum(report[k] for k in ("params", "grads", "optimizer", "unsharded"))
 

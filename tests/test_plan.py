@@ -12,7 +12,7 @@ from torch import nn
 
 import fsdp_ext
 from fsdp_ext.planner.comm_model import H100, Link, all_gather_s, all_reduce_s, fit_link, reduce_scatter_s
-from fsdp_ext.runtime.flat_param import Bucket, ParamSlot
+from fsdp_ext.runtime.layout import ALIGN
 from fsdp_ext.diagnostics.memory import memory_report
 from models import Block, GPT, GPTConfig
 from fsdp_ext.planner.plan import project
@@ -49,15 +49,20 @@ def test_cluster_link_crosses_nodes():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
-def test_padded_numel_matches_the_runtime_layout(world_size):
+def test_padded_numel_is_what_each_rank_sends(world_size):
+    """fully_shard cuts each parameter into world_size chunks of ceil(rows / world_size) rows
+    (torch.chunk) and every rank sends its chunk of each, ALIGN-aligned; FullyShardedDataParallel
+    sends equal slices of the aligned parameters laid end to end."""
     gen = torch.Generator().manual_seed(world_size)
     shapes = [tuple(int(d) for d in torch.randint(1, 40, (int(k),), generator=gen))
               for k in torch.randint(1, 3, (7,), generator=gen)]
-    slots = [ParamSlot(nn.Parameter(torch.zeros(s)), f"p{i}", [], torch.Size(s), 0)
-             for i, s in enumerate(shapes)]
-    bucket = Bucket(torch.float32, True, slots, world_size, 0)
-    spec = UnitSpec("u", None, [math.prod(s) for s in shapes])
-    assert padded_numel(spec, world_size) == bucket.numel_padded
+    chunks = sum(world_size * math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
+    rows = padded_numel(UnitSpec("u", None, shapes), world_size)
+    assert chunks <= rows <= chunks + world_size * ALIGN * len(shapes)
+    assert rows % world_size == 0
+    flat = padded_numel(UnitSpec("u", None, shapes, layout="flat"), world_size)
+    total = sum(math.prod(s) for s in shapes)
+    assert total <= flat <= total + ALIGN * len(shapes) + world_size and flat % world_size == 0
 
 
 def _model() -> GPT:
@@ -149,8 +154,8 @@ def test_exposed_communication_where_cpu_ranks_fill_the_cores():
     """Saturated CPU ranks: the first all-gather and the last reduction in full, the rest scaled by
     the measured contention (0: hidden, 1: serial); depth 0 exposes everything."""
     from fsdp_ext.planner.model import PlanInputs, Setting, estimate_time
-    specs = [UnitSpec("", None, [1000], is_root=True)] + [
-        UnitSpec(f"b{i}", None, [4000]) for i in range(3)]
+    specs = [UnitSpec("", None, [(1000,)], is_root=True)] + [
+        UnitSpec(f"b{i}", None, [(4000,)]) for i in range(3)]
     inputs = PlanInputs(units=specs, world_size=2, compute_s=1.0, adamw_s_per_element=0.0,
                         link=LINK, comm_hides=False)
     times = {}

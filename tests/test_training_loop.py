@@ -149,17 +149,33 @@ def _seeded_model() -> nn.Module:
 
 
 def check_meta_init(rank: int, world_size: int) -> None:
+    """Built on the meta device. fully_shard leaves the parameters there (as torch's does) until
+    `to_empty`; fsdp_ext's `param_init_fn` materialises and initialises them at fully_shard."""
     reference = _seeded_model()
+    x = torch.randn(2 * world_size, 6, generator=torch.Generator().manual_seed(1))
     with torch.device("meta"):
         model = _seeded_model()
     for block in list(model)[:3]:
         fsdp_ext.fully_shard(block)
     fsdp_ext.fully_shard(model)
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(RuntimeError, match="on the meta device: call model.to_empty"):
+        model(local_slice(x, rank, world_size))
+    model.to_empty(device="cpu")
     assert not any(p.is_meta for p in model.parameters())
+    model.load_state_dict(reference.state_dict())
     _assert_params_match(model, reference, atol=0, rtol=0)
-    x = torch.randn(2 * world_size, 6, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(local_slice(x, rank, world_size)),
                                reference(local_slice(x, rank, world_size)), atol=1e-6, rtol=1e-5)
+
+    with torch.device("meta"):
+        model = _seeded_model()
+    init = lambda m: m.reset_parameters() if isinstance(m, SeededLinear) else None  # noqa: E731
+    for block in list(model)[:3]:
+        fsdp_ext.fully_shard(block, param_init_fn=init)
+    fsdp_ext.fully_shard(model, param_init_fn=init)
+    assert not any(p.is_meta for p in model.parameters())
+    _assert_params_match(model, reference, atol=0, rtol=0)
 
 
 def check_cpu_offload(rank: int, world_size: int) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime import dtensor_params
 from ..runtime.errors import NonFiniteGradientError
 from ..runtime.registry import units_of
 
@@ -21,8 +22,7 @@ def _local_norm_terms(unit, norm_type: float) -> torch.Tensor:
     """This rank's contribution for one unit: sum of |g|^p, or max |g| for p = inf (fp32), on the
     unit's compute device: offloaded gradients live on the host, but the all-reduce (NCCL on a
     GPU) takes tensors of the process group's device."""
-    grads = [slot.param.grad for bucket in unit.buckets for slot in bucket.slots
-             if slot.param.grad is not None and slot.param.grad.numel()]
+    grads = _local_grads([unit])
     device = unit.groups.device
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
@@ -31,6 +31,13 @@ def _local_norm_terms(unit, norm_type: float) -> torch.Tensor:
     if math.isinf(norm_type):
         return stacked.max().to(device)
     return (stacked ** norm_type).sum().to(device)
+
+
+def _local_grads(units) -> list[torch.Tensor]:
+    """This rank's part of every gradient (a DTensor's local tensor), empty ones left out."""
+    grads = [dtensor_params.local_of(slot.param.grad) for unit in units
+             for bucket in unit.buckets for slot in bucket.slots if slot.param.grad is not None]
+    return [g for g in grads if g.numel()]
 
 
 def _reduce(value: torch.Tensor, group, norm_type: float) -> torch.Tensor:
@@ -75,8 +82,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise NonFiniteGradientError(_nonfinite_report(units, per_unit, norm_type, total_norm))
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    grads = [slot.param.grad for unit in units for bucket in unit.buckets for slot in bucket.slots
-             if slot.param.grad is not None and slot.param.grad.numel()]
+    grads = _local_grads(units)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)

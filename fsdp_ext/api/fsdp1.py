@@ -20,7 +20,7 @@ from ..state.optim_state_dict import optim_state_dict
 from ..state.summon import summon_full_params
 from .clip import clip_grad_norm_
 from .fsdp1_config import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .fully_shard import FSDPModule, fully_shard
+from .fully_shard import FSDPModule, shard_module
 from .wrap import apply_auto_wrap
 
 
@@ -81,10 +81,11 @@ class FullyShardedDataParallel(nn.Module):
                       backward_prefetch=0 if backward_prefetch is None else 1,
                       limit_in_flight=limit_all_gathers)
         if auto_wrap_policy is not None:
-            apply_auto_wrap(module, auto_wrap_policy, lambda m: fully_shard(
-                m, reshard_after_forward=reshard, mp_policy=mp.to_policy(False), **kwargs))
-        fully_shard(module, reshard_after_forward=None if reshard else False,
-                    mp_policy=mp.to_policy(True), **kwargs)
+            apply_auto_wrap(module, auto_wrap_policy, lambda m: shard_module(
+                m, layout="flat", reshard_after_forward=reshard, mp_policy=mp.to_policy(False),
+                **kwargs))
+        shard_module(module, layout="flat", reshard_after_forward=None if reshard else False,
+                     mp_policy=mp.to_policy(True), **kwargs)
         module._unit.options["backward_prefetch_at"] = (
             "post" if backward_prefetch is BackwardPrefetch.BACKWARD_POST else "pre")
         self._fsdp_wrapped_module = module

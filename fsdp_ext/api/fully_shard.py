@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..runtime import comm
@@ -98,6 +99,14 @@ class FSDPModule:
         """Clip all sharded gradients under this module; returns the global norm (every rank)."""
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
+    def _apply(self, *args, **kwargs):
+        """nn.Module._apply (`to_empty`, `to`, ...) gives the modules new parameter tensors: the
+        unit copies them into its shard (allocating it if it was on meta) and points them back."""
+        self._unit.reshard()
+        result = super()._apply(*args, **kwargs)
+        self._unit.adopt_params()
+        return result
+
     def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
         """Prefetch depth for this root's schedule (fsdp_ext extension; default 1 and 1)."""
         if forward is not None:
@@ -111,14 +120,17 @@ class FSDPModule:
 def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: CPUOffloadPolicy | None = None, param_init_fn=None,
-                forward_prefetch: int = 1, backward_prefetch: int = 1,
+                offload_policy: CPUOffloadPolicy | None = None, shard_placement_fn=None,
+                param_init_fn=None, forward_prefetch: int = 1, backward_prefetch: int = 1,
                 limit_in_flight: bool = True, collective_timeout: float | None = None,
                 check_finite_grads: bool | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
 
-    Apply it bottom-up: to each block first, then to the model (the root). The module keeps its
-    parameters' identities and names; its class becomes a subclass of FSDPModule.
+    Apply it bottom-up: to each block first, then to the model (the root). As with torch's
+    fully_shard, each parameter becomes a DTensor parameter (Shard(0) on the mesh's shard
+    dimension; Replicate() on the replicate dimension under HSDP) with the same name and global
+    shape, whose local tensor is this rank's rows; build the optimizer afterwards. The module's
+    class becomes a subclass of FSDPModule.
 
     Args:
         module: the module to shard; its parameters must all be on one device.
@@ -129,8 +141,11 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
             None (default): True, except for the root, whose parameters backward needs first.
         mp_policy: mixed precision (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
         offload_policy: CPUOffloadPolicy() keeps shards, gradients and optimizer state on the host.
-        param_init_fn: for modules built on the meta device: called on each module of the unit
-            after allocation (default: the module's reset_parameters()).
+        shard_placement_fn: torch's hook choosing a parameter's placement; Shard(0) (or None)
+            is honoured, any other placement is refused naming the parameter.
+        param_init_fn: fsdp_ext extension for modules built on the meta device: called on each
+            module of the unit once its parameters have storage. Without it, parameters on meta
+            stay there until `model.to_empty(device=...)`, as with torch's fully_shard.
         forward_prefetch / backward_prefetch: how many units ahead to all-gather (read by the root).
         limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
         collective_timeout: seconds a rank waits on one of this root's collectives before raising
@@ -140,6 +155,40 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
     """
+    _check_placements(module, shard_placement_fn)
+    return shard_module(
+        module, layout="rows", mesh=mesh, process_group=process_group,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        offload_policy=offload_policy, param_init_fn=param_init_fn,
+        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+        limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
+        check_finite_grads=check_finite_grads)
+
+
+def _check_placements(module: nn.Module, shard_placement_fn) -> None:
+    """Only Shard(0) is implemented: refuse any other placement before anything changes."""
+    if shard_placement_fn is None:
+        return
+    for name, param in module.named_parameters():
+        placement = shard_placement_fn(param)
+        if placement is not None and not (isinstance(placement, Shard) and placement.dim in (
+                0, -param.dim())):
+            raise NotImplementedError(
+                f"fully_shard({type(module).__name__}): shard_placement_fn returned {placement} "
+                f"for parameter '{name}'; fsdp_ext shards along dim 0 only (Shard(0), or None)")
+
+
+def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=None,
+                 reshard_after_forward: bool | int | None = None,
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                 offload_policy: CPUOffloadPolicy | None = None, param_init_fn=None,
+                 forward_prefetch: int = 1, backward_prefetch: int = 1,
+                 limit_in_flight: bool = True, collective_timeout: float | None = None,
+                 check_finite_grads: bool | None = None,
+                 direct_min_numel: int | None = None) -> nn.Module:
+    """fully_shard's work, for both public APIs: `layout` "rows" (fully_shard: DTensor
+    parameters) or "flat" (FullyShardedDataParallel: FSDP1's flat views). `direct_min_numel`
+    (rows: which parameters are gathered directly, runtime/layout.py) is for benchmarks."""
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
     for name, sub in module.named_modules():
@@ -164,9 +213,9 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
         check_finite_grads = os.environ.get("FSDP_EXT_CHECK_FINITE_GRADS", "0") not in ("", "0")
     options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
                    limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
-                   check_finite_grads=check_finite_grads)
+                   check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
     unit = Unit(module, groups, mp_policy, reshard_after_forward, options, offload_policy,
-                param_init_fn)
+                param_init_fn, layout=layout, mesh=mesh)
     module.__dict__[UNIT_ATTR] = unit
     install_state_dict_hooks(module)
     cls = module.__class__

@@ -53,24 +53,27 @@ def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
     module_names = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
     sharded = unsharded = 0
     for i, (bucket, full) in enumerate(zip(unit.buckets, unit.full)):
+        layout = bucket.layout
         used = sum(slot.numel for slot in bucket.slots)
         shard_bytes = bucket.shard_numel * bucket.shard.element_size()
-        full_bytes = bucket.numel_padded * full.element_size()
+        full_bytes = bucket.full_numel * full.element_size()
         sharded, unsharded = sharded + shard_bytes, unsharded + full_bytes
+        copied = sum(len(g.slots) for g in layout.groups if g.copied)
         lines.append(
             f"  bucket {i}: {_dtype(bucket.dtype)}, requires_grad={bucket.requires_grad}, "
-            f"{len(bucket.slots)} param(s), {used:,} elements + {bucket.numel_padded - used:,} "
-            f"padding = {bucket.numel_padded:,} ({bucket.shard_numel:,} per rank)")
+            f"{len(bucket.slots)} param(s) ({'DTensor Shard(0) rows' if layout.kind == 'rows' else 'flat'}), "
+            f"{used:,} elements; {bucket.shard_numel:,} per rank, padding included; "
+            f"{len(layout.groups)} all-gather(s), {copied} param(s) copied out")
         lines.append(f"            per rank: sharded {_bytes(shard_bytes)}, unsharded "
                      f"{_bytes(full_bytes)} as {_dtype(full.dtype)}")
         width = max(len(slot.fqn) for slot in bucket.slots)
-        for slot in bucket.slots:
-            lo, hi = bucket.local_range(slot)
+        for index, slot in enumerate(bucket.slots):
+            lo, hi = layout.local_range(index)
             tied = [_joined(module_names.get(id(m), type(m).__name__), a)
                     for m, a in slot.locations[1:]]
             lines.append(
                 f"    {slot.fqn:<{width}}  {str(list(slot.shape)):<14} {_dtype(bucket.dtype):<9} "
-                f"requires_grad={str(slot.param.requires_grad):<5}  offset {slot.offset:>9,}  "
+                f"requires_grad={str(slot.param.requires_grad):<5}  shard offset {lo:>9,}  "
                 f"this rank {hi - lo:>8,}" + (f"  tied: {', '.join(tied)}" if tied else ""))
     return lines, sharded, unsharded
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime import storage_cache
+from ..runtime import dtensor_params, storage_cache
 from ..runtime.registry import units_of
 
 
@@ -27,7 +27,7 @@ def _storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
+            storage = dtensor_params.local_of(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 

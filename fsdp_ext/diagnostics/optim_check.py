@@ -28,8 +28,10 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(f"{type(module).__name__} has no fully_shard units; check the optimizer "
                          "against the sharded model")
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    full_shapes = {id(slot.param): slot.shape for unit in units_of(module)
-                   for bucket in unit.buckets for slot in bucket.slots}
+    slots = [slot for unit in units_of(module) for bucket in unit.buckets for slot in bucket.slots]
+    full_shapes = {id(slot.param): slot.shape for slot in slots}
+    replaced = {id(original): names.get(id(slot.param), "?") for slot in slots
+                if (original := slot.replaced()) is not None}
     by_shape = {tuple(shape): names.get(pid, "?") for pid, shape in full_shapes.items()}
     covered = 0
     for g, group in enumerate(optimizer.param_groups):
@@ -37,6 +39,13 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             if id(param) in names:
                 covered += 1
                 continue
+            if id(param) in replaced:
+                raise ValueError(
+                    f"optimizer param_groups[{g}]['params'][{i}] is parameter "
+                    f"'{replaced[id(param)]}' as it was before fully_shard, which replaced it "
+                    "with a DTensor parameter (as torch's fully_shard does): the optimizer would "
+                    "step a tensor the model no longer reads. Build the optimizer after "
+                    "fully_shard, from model.parameters()")
             hint = ""
             if (twin := by_shape.get(tuple(param.shape))) is not None:
                 hint = f"; it has the unsharded shape of '{twin}'"

@@ -7,6 +7,7 @@ as does `measure_compute(..., together=True)`.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,14 +23,19 @@ from .comm_model import Link, fit_link
 
 @dataclass
 class UnitSpec:
-    """One future unit: the sizes of the parameters it will own."""
+    """One future unit: the shapes of the parameters it will own, and how it lays them out."""
 
     name: str
     module: nn.Module | None
-    numels: list[int] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
     itemsize: int = 4
     is_root: bool = False
     activation_bytes: int = 0     # saved for backward by this unit's own forward (measured)
+    layout: str = "rows"          # fully_shard's; "flat" for FullyShardedDataParallel's units
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
 
     @property
     def numel(self) -> int:
@@ -42,8 +48,9 @@ def describe_units(model: nn.Module, unit_classes=None) -> list[UnitSpec]:
     existing = units_of(model)
     if existing:
         return [UnitSpec(u.name or "<root>", u.module,
-                         [s.numel for b in u.buckets for s in b.slots],
-                         u.buckets[0].shard.element_size() if u.buckets else 4, u.module is model)
+                         [tuple(s.shape) for b in u.buckets for s in b.slots],
+                         u.buckets[0].shard.element_size() if u.buckets else 4, u.module is model,
+                         layout=u.buckets[0].layout.kind if u.buckets else "rows")
                 for u in existing]
     classes = tuple(unit_classes or ())
     picked: dict[int, str] = {}
@@ -57,10 +64,10 @@ def describe_units(model: nn.Module, unit_classes=None) -> list[UnitSpec]:
         if id(module) in picked:
             params = [p for p in module.parameters() if id(p) not in owned]
             owned.update(id(p) for p in params)
-            specs.append(UnitSpec(name, module, [p.numel() for p in params],
+            specs.append(UnitSpec(name, module, [tuple(p.shape) for p in params],
                                   params[0].element_size() if params else 4))
     rest = [p for p in model.parameters() if id(p) not in owned]
-    specs.insert(0, UnitSpec("<root>", model, [p.numel() for p in rest],
+    specs.insert(0, UnitSpec("<root>", model, [tuple(p.shape) for p in rest],
                              rest[0].element_size() if rest else 4, is_root=True))
     return specs
 

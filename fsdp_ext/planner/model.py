@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..runtime.flat_param import ALIGN
+from ..runtime.layout import flat_layout, rows_layout
+from ..runtime.unit import DIRECT_MIN_NUMEL
 from ..runtime.schedule import DEFAULT_OPTIONS
 from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
 from .measure import UnitSpec
@@ -45,16 +46,13 @@ class Estimate:
     fits: bool | None = None
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
 def padded_numel(spec: UnitSpec, shards: int) -> int:
-    """A unit's flat size as flat_param lays it out: parameters ALIGN-aligned, total / shards."""
-    offset = 0
-    for n in spec.numels:
-        offset = _round_up(offset, ALIGN) + n
-    return _round_up(max(offset, 1), shards)
+    """What a unit gathers, padding included, as the runtime lays it out (runtime/layout.py):
+    `shards` times each rank's shard. (One bucket: the planner assumes one dtype per unit.)"""
+    if spec.layout == "flat":
+        return flat_layout(spec.shapes, shards, 0).full_numel
+    shapes = [s if len(s) else (1,) for s in spec.shapes]
+    return shards * rows_layout(shapes, shards, 0, DIRECT_MIN_NUMEL).shard_numel
 
 
 @dataclass

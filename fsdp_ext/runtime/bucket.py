@@ -1,121 +1,118 @@
-"""A bucket: the parameters of one unit that share (dtype, requires_grad), laid out in one flat buffer.
+"""A bucket: the parameters of one unit that share (dtype, requires_grad), and this rank's shard of
+them in one flat buffer laid out by layout.py.
 
-Layout of the flat index space (numel_padded elements):
+    shard       [S]            this rank's part of every parameter (the all-gather input)
+    grad_shard  [S]            the same for the reduced gradients (when a backward made one)
+    shard_views / grad_views   per parameter, this rank's part shaped as the parameter's local
+                               tensor: a 1-D range (flat layout), or its rows (rows layout)
 
-    | p0 | pad | p1 | pad | ... | pN | tail pad |
-      ^ each parameter starts on a multiple of ALIGN elements (aligned vector loads on GPUs)
-                                          ^ total padded to a multiple of the shard world size
-
-Rank r of the shard group owns elements [r * shard_numel, (r + 1) * shard_numel). A parameter's local
-part is its intersection with that range (possibly empty); while sharded, the user's nn.Parameter is
-a 1-D view of exactly that part of the local shard, so optimizers keep the same objects and their
-state is sharded for free.
+While sharded, a parameter's tensor is a view of the shard: the flat layout swaps the user's
+nn.Parameter's `.data` (FSDP1's use_orig_params); the rows layout replaces it with a DTensor
+parameter whose local tensor is the view (dtensor_params.py). Either way the optimizer steps on
+the shard in place, and its state is sharded like it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .. import ops
-
-ALIGN = 8  # elements; 16 bytes at bf16, 32 at fp32
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
+from . import dtensor_params
+from .layout import BucketLayout
 
 
 @dataclass
 class ParamSlot:
     """One distinct parameter of a bucket and every (module, attribute) that refers to it."""
 
-    param: nn.Parameter
+    param: nn.Parameter                        # what the modules hold while sharded
     fqn: str                                   # first name under the unit's module
     locations: list[tuple[nn.Module, str]]     # tied weights have several
-    shape: torch.Size
-    offset: int                                # start in the flat index space
+    shape: torch.Size                          # the parameter's global shape
+    replaced: object = lambda: None            # weak reference to what `param` replaced, if any
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
 
 
-@dataclass
 class Bucket:
     """Flat sharded storage for one (dtype, requires_grad) group of a unit."""
 
-    dtype: torch.dtype
-    requires_grad: bool
-    slots: list[ParamSlot]
-    world_size: int
-    rank: int
-    numel_padded: int = 0
-    shard_numel: int = 0
-    split_sizes: list[int] = field(default_factory=list)  # param pieces and gaps, in order
-    piece_indices: list[int] = field(default_factory=list)  # which split pieces are parameters
-    shard: torch.Tensor | None = None                     # [shard_numel] original dtype
-    grad_shard: torch.Tensor | None = None                # [shard_numel] original dtype
-    shard_views: list[torch.Tensor] = field(default_factory=list)
-    grad_views: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, dtype: torch.dtype, requires_grad: bool, slots: list[ParamSlot],
+                 layout: BucketLayout, spec_of=None):
+        self.dtype = dtype
+        self.requires_grad = requires_grad
+        self.slots = slots
+        self.layout = layout
+        self.spec_of = spec_of           # rows layout: index -> DTensorSpec of the parameter
+        self.shard: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.shard_views: list[torch.Tensor] = []
+        self.grad_views: list[torch.Tensor] = []
+        self._grads: list = []           # rows layout: the DTensor gradients over grad_views
 
-    def __post_init__(self) -> None:
-        offset = 0
-        self.split_sizes = []
-        for slot in self.slots:
-            start = _round_up(offset, ALIGN)
-            if start > offset:
-                self.split_sizes.append(start - offset)
-            slot.offset = start
-            self.split_sizes.append(slot.numel)
-            offset = start + slot.numel
-        self.numel_padded = _round_up(max(offset, 1), self.world_size)
-        if self.numel_padded > offset:
-            self.split_sizes.append(self.numel_padded - offset)
-        self.shard_numel = self.numel_padded // self.world_size
-        self.piece_indices = self._param_piece_indices()
-
-    # ---- ranges -------------------------------------------------------------------------------
     @property
-    def shard_start(self) -> int:
-        return self.rank * self.shard_numel
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
 
-    def local_range(self, slot: ParamSlot) -> tuple[int, int]:
-        """The part of `slot` this rank owns, as [start, end) offsets into the local shard."""
-        lo, hi = self.shard_start, self.shard_start + self.shard_numel
-        start = min(max(slot.offset, lo), hi)
-        end = max(min(slot.offset + slot.numel, hi), start)
-        return start - lo, end - lo
+    @property
+    def full_numel(self) -> int:
+        return self.layout.full_numel
 
-    def _param_piece_indices(self) -> list[int]:
-        """Indices into split_sizes of the pieces that are parameters (the rest is padding)."""
-        indices, offset, k = [], 0, 0
-        for i, size in enumerate(self.split_sizes):
-            if k < len(self.slots) and offset == self.slots[k].offset and size == self.slots[k].numel:
-                indices.append(i)
-                k += 1
-            offset += size
-        return indices
+    @property
+    def distributed(self) -> bool:
+        """Whether the parameters are DTensors (the rows layout with a process group)."""
+        return self.spec_of is not None
+
+    # ---- views --------------------------------------------------------------------------------
+    def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's part of a shard-shaped [S] tensor, shaped as its local tensor."""
+        return [flat[slice(*self.layout.local_range(i))].view(self.layout.local_shape(i))
+                for i in range(len(self.slots))]
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's gathered data in the gathered buffer, in its own shape."""
+        return [full.narrow(0, s.full_offset, s.numel).view(s.shape) for s in self.layout.slots]
 
     # ---- sharded state --------------------------------------------------------------------------
-    def init_shard(self, shard: torch.Tensor) -> None:
-        """Copy this rank's part of every parameter into `shard` (no full-bucket temporary)."""
+    def init_shard(self, shard: torch.Tensor, sources: list[torch.Tensor]) -> None:
+        """Make `shard` this rank's shard of `sources` (the parameters' full values; none read
+        when they or the shard are on the meta device) and point the parameters at it."""
         self.shard = shard
-        with torch.no_grad():
-            sources = [s.param.detach().to(shard.device).contiguous() for s in self.slots]
-            ops.pack(sources, [s.offset for s in self.slots], self.shard, self.shard_start)
-        self.shard_views = [self.shard[slice(*self.local_range(s))] for s in self.slots]
+        if not shard.is_meta and not any(t.is_meta for t in sources):
+            self.fill_shard(sources)
+        self.shard_views = self.local_views(shard)
         self.point_params_at_shard()
 
+    def fill_shard(self, sources: list[torch.Tensor]) -> None:
+        """Copy (and cast) this rank's part of each full-shape source into the shard, padding
+        zeroed: one pack over the whole shard."""
+        with torch.no_grad():
+            parts, offsets = [], []
+            for i, source in enumerate(sources):
+                start, end = self.layout.param_range(i)
+                parts.append(source.detach().reshape(-1)[start:end].to(self.shard.device))
+                offsets.append(self.layout.local_range(i)[0])
+            ops.pack([p.contiguous() for p in parts], offsets, self.shard, 0)
+
     def point_params_at_shard(self) -> None:
-        for slot, view in zip(self.slots, self.shard_views):
-            slot.param.data = view
+        """The modules' parameters become this rank's shard views again (FSDP1: the user's
+        nn.Parameter objects, `.data` swapped; rows layout: DTensor parameters over them)."""
+        for i, (slot, view) in enumerate(zip(self.slots, self.shard_views)):
+            if self.distributed:
+                dtensor_params.set_local(slot.param, view)
+            else:
+                slot.param.data = view
 
     def ensure_grad_shard(self) -> None:
         if self.grad_shard is None:  # pinned like an offloaded shard, whose grads stay on the host
             self.grad_shard = torch.zeros_like(self.shard, pin_memory=self.shard.is_pinned())
-            self.grad_views = [self.grad_shard[slice(*self.local_range(s))] for s in self.slots]
+            self.grad_views = self.local_views(self.grad_shard)
+            self._grads = [dtensor_params.as_dtensor(view, self.spec_of(i)) if self.distributed
+                           else view for i, view in enumerate(self.grad_views)]
 
     def release_grad_shard_if_unused(self) -> None:
         """Drop the sharded gradient buffer once no parameter's .grad refers to it.
@@ -125,7 +122,7 @@ class Bucket:
         DDP free them there too). The next epilogue allocates it again and overwrites it.
         """
         if self.grad_shard is not None and all(s.param.grad is None for s in self.slots):
-            self.grad_shard, self.grad_views = None, []
+            self.grad_shard, self.grad_views, self._grads = None, [], []
 
     def sync_param_grads_into_buffer(self) -> bool:
         """Adopt whatever the user left in `param.grad` before a new gradient lands.
@@ -140,9 +137,15 @@ class Bucket:
         for g, view in zip(grads, self.grad_views):
             if g is None:
                 view.zero_()
-            elif view.numel() and g.data_ptr() != view.data_ptr():
-                view.copy_(g.reshape(-1))
+                continue
+            local = dtensor_params.local_of(g)
+            if view.numel() and local.data_ptr() != view.data_ptr():
+                view.copy_(local.reshape(view.shape))
         return True
+
+    def publish_grad(self, index: int) -> None:
+        """Point parameter `index`'s .grad at its part of the gradient shard."""
+        self.slots[index].param.grad = self._grads[index]
 
     def sharded_bytes(self) -> int:
         return self.shard_numel * self.shard.element_size() if self.shard is not None else 0

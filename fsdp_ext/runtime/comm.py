@@ -275,19 +275,30 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_o
     return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(flat: torch.Tensor, shard_numel: int, rank: int, group, async_op: bool):
-    """Sum `flat` over `group`; return (this rank's [shard_numel] part of the sum, work handle).
+def reduce_scatter_groups(flat: torch.Tensor, layout, group, async_op: bool):
+    """Sum `flat` (W * S elements: each gather group's block at W * shard_offset, rank-major, see
+    layout.py) over `group`; return this rank's region of every group and the work handles.
 
     gloo (every CPU tensor) has no native reduce-scatter: reduce_scatter_tensor clones its input,
     all-reduces the clone and copies the rank's chunk out when waited on. An all-reduce in place on
     the packed buffer (ours, read by nobody else) moves the same bytes without the clone, the copy
-    or the output tensor; the rank's slice of it is the result.
+    or the output tensor; the rank's slices of it are the result.
     """
+    world, rank = layout.world_size, layout.rank
+    if group is None:  # one rank: the packed buffer is the result
+        return [flat.narrow(0, g.shard_offset, g.shard_numel) for g in layout.groups], []
     if flat.device.type == "cpu":
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return flat.narrow(0, rank * shard_numel, shard_numel), work
-    output = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
-    return output, reduce_scatter_sum(output, flat, group, async_op)
+        return [flat.narrow(0, world * g.shard_offset + rank * g.shard_numel, g.shard_numel)
+                for g in layout.groups], [work]
+    reduced = torch.empty(layout.shard_numel, dtype=flat.dtype, device=flat.device)
+    pieces, works = [], []
+    for g in layout.groups:
+        piece = reduced.narrow(0, g.shard_offset, g.shard_numel)
+        block = flat.narrow(0, world * g.shard_offset, world * g.shard_numel)
+        works.append(reduce_scatter_sum(piece, block, group, async_op))
+        pieces.append(piece)
+    return pieces, works
 
 
 def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):

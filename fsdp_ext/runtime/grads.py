@@ -1,10 +1,12 @@
 """The gradient path of one bucket: pack -> reduce-scatter (-> all-reduce) -> epilogue.
 
-    pack:      the unit's per-parameter gradients go straight into one flat, padded buffer in
-               `reduce_dtype`, pre-divided, in a single pass (parameters without a gradient and the
-               padding become zeros); no autograd concatenation, no separate cast
-    collective: reduce-scatter over the shard group (SUM), then all-reduce over replicas (HSDP)
-    epilogue:  post-divide, cast to the sharded gradient's dtype and accumulate in one pass
+    pack:      the unit's per-parameter gradients go straight into one flat buffer of W * S
+               elements in `reduce_dtype`, pre-divided, in a single pass (parameters without a
+               gradient and the padding become zeros), group by group in the rank-major order of
+               layout.py; no autograd concatenation, no separate cast
+    collective: reduce-scatter of each group's block over the shard group (SUM), leaving this
+               rank its shard region; then all-reduce over replicas (HSDP)
+    epilogue:  post-divide, cast to the sharded gradient's dtype and accumulate, per group
 
 Under `set_requires_gradient_sync(False)` (no_sync) the packed, pre-divided gradient is added to
 an unsharded accumulator in `reduce_dtype` instead, and goes out with the next synchronised step.
@@ -17,7 +19,7 @@ import torch
 
 from .. import ops
 from . import comm, finite, storage_cache
-from .flat_param import Bucket
+from .bucket import Bucket
 from .mixed_precision import divide_factors
 from .offload import copy_to_host, to_host
 from .trace import RECORDER, profiler_range, span
@@ -27,17 +29,33 @@ from .trace import RECORDER, profiler_range, span
 class BucketGrads:
     """Per-bucket gradient state that lives across micro-batches."""
 
-    unsharded_accumulator: torch.Tensor | None = None   # [numel_padded] reduce dtype, no_sync
+    unsharded_accumulator: torch.Tensor | None = None   # [W * S] reduce dtype, no_sync
     used: list[bool] = field(default_factory=list)      # got a gradient since the last sync
     nonfinite: torch.Tensor | None = None                # check_finite_grads: flags since sync
 
 
 def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
                device: torch.device) -> torch.Tensor:
-    """One flat [numel_padded] buffer of `grads` (None -> zeros), cast and divided by `pre`."""
-    present = [(g.contiguous(), slot.offset) for g, slot in zip(grads, bucket.slots) if g is not None]
-    flat = storage_cache.empty(bucket.numel_padded, reduce_dtype, device)
-    ops.pack([g for g, _ in present], [o for _, o in present], flat, 0, 1.0 / pre)
+    """One flat [W * S] buffer of `grads` (None -> zeros), cast and divided by `pre`: group g's
+    block at W * g.shard_offset in rank-major order (a direct group's parameters at their place
+    in the gathered order, a copied group's cut into each rank's rows)."""
+    layout = bucket.layout
+    srcs, offsets = [], []
+    for g in layout.groups:
+        base = layout.world_size * g.shard_offset
+        if not g.copied:
+            for index in g.slots:
+                if grads[index] is not None:
+                    srcs.append(grads[index].contiguous())
+                    offsets.append(base + layout.slots[index].full_offset - g.full_offset)
+            continue
+        for index, rank, offset, count in layout.rank_major_pieces(g):
+            if grads[index] is not None:
+                start = layout.param_range(index, rank)[0]
+                srcs.append(grads[index].contiguous().view(-1).narrow(0, start, count))
+                offsets.append(base + offset)
+    flat = storage_cache.empty(layout.world_size * layout.shard_numel, reduce_dtype, device)
+    ops.pack(srcs, offsets, flat, 0, 1.0 / pre)
     return flat
 
 
@@ -70,24 +88,19 @@ def reduce_bucket(unit, index: int, grads) -> None:
             flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
         if accumulator is not None:
             flat.add_(accumulator)
-        if groups.shard is None:
-            output, works = flat, []
-        else:
-            # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
-            # blocking reduce-scatter and an asynchronous all-reduce.
-            output, work = comm.reduce_scatter_into(flat, bucket.shard_numel, groups.shard_rank,
-                                                    groups.shard,
-                                                    async_op and groups.replicate is None)
-            works = [work]
+        # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
+        # blocking reduce-scatter and an asynchronous all-reduce.
+        pieces, works = comm.reduce_scatter_groups(
+            flat, bucket.layout, groups.shard, async_op and groups.replicate is None)
         if groups.replicate is not None:
-            works = [comm.all_reduce_sum(output, groups.replicate, async_op)]
+            works = [comm.all_reduce_sum(p, groups.replicate, async_op) for p in pieces]
         if offload_on_stream:  # queued after the collective on this stream; the host waits for it
-            output = copy_to_host(output)
-        result.update(output=output, flat=flat)
-        return works
+            pieces = [copy_to_host(p) for p in pieces]
+        result.update(pieces=pieces, flat=flat)
+        return [w for w in works if w is not None]
 
     checker = unit.schedule.checker
-    checker.check(groups.shard, "reduce_scatter", unit.name, index, bucket.numel_padded, reduce_dtype)
+    checker.check(groups.shard, "reduce_scatter", unit.name, index, flat_numel(bucket), reduce_dtype)
     checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel, reduce_dtype)
     unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
@@ -110,19 +123,26 @@ def reduce_bucket(unit, index: int, grads) -> None:
             pending.wait(host=offload_on_stream)  # the host epilogue reads the copy to the host
         if nonfinite is not None:
             finite.raise_if_nonfinite(unit, index, nonfinite)
-        reduced = result["output"]
+        pieces = result["pieces"]
         if unit.offload is not None and not side:
-            reduced = to_host(reduced)
+            pieces = [to_host(p) for p in pieces]
         accumulate = bucket.sync_param_grads_into_buffer()
         with profiler_range("grad_epilogue", unit.name):
-            ops.grad_epilogue(reduced, bucket.grad_shard, 1.0 / post, accumulate)
+            for g, piece in zip(bucket.layout.groups, pieces):
+                ops.grad_epilogue(piece, bucket.grad_shard.narrow(0, g.shard_offset, g.shard_numel),
+                                  1.0 / post, accumulate)
         storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
         result.clear()  # the packed buffer can go now, not when this closure is dropped
-        for slot, view, was_used in zip(bucket.slots, bucket.grad_views, used_now):
+        for i, (slot, view, was_used) in enumerate(zip(bucket.slots, bucket.grad_views, used_now)):
             # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
             if slot.param.grad is None and not was_used and not view.any():
                 continue
-            slot.param.grad = view
+            bucket.publish_grad(i)
 
     finish.pending = pending  # what Schedule.abandon_backward waits for without applying
     unit.schedule.add_pending_reduce_scatter(finish)
+
+
+def flat_numel(bucket: Bucket) -> int:
+    """Elements of the packed gradient buffer (and of every rank's gathered contribution)."""
+    return bucket.layout.world_size * bucket.shard_numel

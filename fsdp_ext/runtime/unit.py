@@ -7,7 +7,9 @@ The timeline of a unit in one training step (see README, "How it works"):
     pre_backward:  (a hook on the forward outputs) unshard again if it was freed
     post_backward: (the backward of the views) pack + reduce-scatter the gradients, free `full`
 
-The views the forward sees come from `_UnshardedViews`, an autograd function whose backward receives
+Each bucket is gathered group by group (gather.py); the parameters are views of the gathered
+buffer `full` (layout.py says where each one lies). The views the forward sees come from
+`_UnshardedViews`, an autograd function whose backward receives
 the per-parameter gradients (None for parameters the forward did not use) and hands them to the
 gradient path (`grads.py`) instead of returning them to autograd. Freeing takes
 the storage down to zero bytes (`storage_cache.release`, like `untyped_storage().resize_(0)`), which
@@ -17,22 +19,29 @@ for an in-place edit of the tensors it saved.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import ops
-from . import comm, storage_cache, streams
+from . import comm, dtensor_params, gather, storage_cache, streams
 from .deferred_init import materialize_meta_modules
-from .flat_param import Bucket, ParamSlot
 from .grads import BucketGrads, reduce_bucket
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
-from .offload import CPUOffloadPolicy, host_empty, to_compute_device
+from .offload import CPUOffloadPolicy, to_compute_device
+from .param_buckets import OWNER_ATTR, build_buckets, init_sharded_state
 from .registry import unit_of
 from .schedule import Schedule
 from .trace import RECORDER, begin_range, end_range, profiler_range, span
 
-OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded nn.Parameter: which module's unit holds it
+# fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
+# elements are gathered directly, the rest together and copied out. Chosen by measurement:
+# docs/benchmarks.md, "Gathering DTensor parameters". The environment variable, or the option
+# of shard_module, overrides it (1: every parameter direct; a huge value: every one copied out).
+DIRECT_MIN_NUMEL = 1 << 16
+DIRECT_MIN_NUMEL_ENV = "FSDP_EXT_DIRECT_MIN_NUMEL"
 
 
 class _UnshardedViews(torch.autograd.Function):
@@ -45,7 +54,7 @@ class _UnshardedViews(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not zeros
         views = []
         for index, full in zip(unit.grad_bucket_indices, fulls):
-            views.extend(unit.bucket_views(index, full))
+            views.extend(unit.buckets[index].full_views(full))
         return tuple(views)
 
     @staticmethod
@@ -55,9 +64,15 @@ class _UnshardedViews(torch.autograd.Function):
 
 
 class Unit:
+    """Args beyond the obvious: `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard,
+    DTensor parameters on `mesh`, else on a mesh made from `groups`); `param_init_fn` materialises
+    meta parameters here (the flat layout always does, with reset_parameters() by default; the rows
+    layout leaves them on meta until the user's `to_empty`, as torch's fully_shard does)."""
+
     def __init__(self, module: nn.Module, groups: comm.Groups, mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int | None, options: dict,
-                 offload: CPUOffloadPolicy | None = None, param_init_fn=None):
+                 offload: CPUOffloadPolicy | None = None, param_init_fn=None,
+                 layout: str = "flat", mesh=None):
         self.module = module
         self.groups = groups
         self.mp = mp
@@ -68,13 +83,19 @@ class Unit:
         self.is_root = False
         self.requires_gradient_sync = True
         self.offload = offload
-        materialize_meta_modules(_owned_modules(module), groups.device, param_init_fn)
-        self.buckets = _build_buckets(module, groups)
+        if layout == "flat" or param_init_fn is not None:
+            materialize_meta_modules(_owned_modules(module), groups.device, param_init_fn)
+        self.mesh = (dtensor_params.storage_mesh(mesh, groups.shard, groups.replicate, groups.device)
+                     if layout == "rows" else None)
+        direct_min_numel = options.get("direct_min_numel") or int(
+            os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
+        self.buckets = build_buckets(module, groups, layout, self.mesh, direct_min_numel)
         self.full: list[torch.Tensor] = []
         self.full_data: list[torch.Tensor] = []
         self.unsharded = False
         self.pending_unshard: comm.Pending | None = None
-        self.post_forward_chunks: list[torch.Tensor] | None = None
+        self.post_forward_chunks: list[list[torch.Tensor]] | None = None  # per bucket, per group
+        self._copy_out_after_wait: list[list[torch.Tensor]] | None = None
         self.pre_backward_done = False
         self.grad_bucket_indices = [i for i, b in enumerate(self.buckets) if b.requires_grad]
         self._no_grad_view_cache: list[tuple[nn.Module, str, torch.Tensor]] | None = None
@@ -88,14 +109,10 @@ class Unit:
     # ---- set-up -----------------------------------------------------------------------------------
     def _init_sharded_state(self) -> None:
         device = self.groups.device
+        init_sharded_state(self.buckets, device, self.offload)
         for bucket in self.buckets:
-            if self.offload is not None:
-                shard = host_empty(bucket.shard_numel, bucket.dtype, self.offload.pin_memory, device)
-            else:
-                shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
-            bucket.init_shard(shard)
             dtype = self.mp.param_dtype or bucket.dtype
-            full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
+            full = torch.empty(bucket.full_numel, dtype=dtype, device=device)
             streams.free_storage(full)  # allocated when first gathered
             full.requires_grad_(bucket.requires_grad)
             self.full.append(full)
@@ -124,30 +141,36 @@ class Unit:
         if not self.buckets:  # every parameter belongs to child units: nothing to gather or wait for
             self.unsharded = True
             return
-        if chunks is not None:  # regather from the smaller post-forward group
+        self.check_materialized()
+        if chunks is not None:  # regather from the smaller post-forward group (W/k ranks' chunks each)
             group, slot = self.groups.post_forward, self.groups.post_forward_rank
         else:
             group, slot = self.groups.shard, self.groups.shard_rank
         schedule = self.schedule
         for i, bucket in enumerate(self.buckets):
-            schedule.checker.check(group, "all_gather", self.name, i, bucket.numel_padded,
+            schedule.checker.check(group, "all_gather", self.name, i, bucket.full_numel,
                                    self.full[i].dtype)
         RECORDER.add("all_gather.issue", self.name)
         label = f"all_gather of unit '{self.name or '<root>'}'"
         with profiler_range("all_gather", self.name):
             if schedule.streams.issue_thread:  # CPU: copy-in and broadcasts off this thread
-                sources = chunks if chunks is not None else [b.shard for b in self.buckets]
-                for full in self.full_data:
+                targets, sources = [], []
+                for i, (bucket, full) in enumerate(zip(self.buckets, self.full_data)):
                     storage_cache.fill(full)
+                    targets.append(gather.targets(bucket, full, self.groups.shard_size))
+                    sources += chunks[i] if chunks is not None else gather.sources(bucket,
+                                                                                   bucket.shard)
+                self._copy_out_after_wait = targets
                 self.pending_unshard = comm.issue_all_gather(
-                    self.full_data, sources, slot, comm.issue_thread_group(group), label,
-                    schedule.streams.timeout)
+                    [t for ts in targets for t in ts], sources, slot,
+                    comm.issue_thread_group(group), label, schedule.streams.timeout)
             else:
                 # With side streams the copy-in reads the post-forward chunks (allocated by the
                 # compute stream) on the all-gather stream: they are held until it is waited for.
                 self.pending_unshard = schedule.streams.launch(
-                    "all_gather", lambda async_op: self._all_gather_fn(chunks, group, slot, async_op),
-                    keep_alive=list(chunks or ()), label=label)
+                    "all_gather",
+                    lambda async_op: self._all_gather_fn(chunks, group, slot, async_op),
+                    keep_alive=[c for cs in chunks or () for c in cs], label=label)
                 if self.offload is not None and chunks is None:  # read the host shards
                     schedule.host_read_event = self.pending_unshard.event
         RECORDER.add("all_gather.issued", self.name)  # launched: collective queued
@@ -155,25 +178,33 @@ class Unit:
         if not async_op:
             self.wait_unshard()
 
-    def _all_gather_fn(self, chunks: list[torch.Tensor] | None, group, slot: int,
-                       async_op: bool) -> list:
-        """Fill each bucket's `full` buffer, copy this rank's shard (or post-forward chunk) into
-        `slot`, then gather the other slots."""
-        works = []
+    def _all_gather_fn(self, chunks, group, slot: int, async_op: bool) -> list:
+        """Fill each bucket's `full` buffer, copy this rank's shard (or post-forward chunks) into
+        `slot` of every group's target, gather the other slots; copy out at once when the
+        collectives are synchronous (side streams: stream order does the rest), else at the wait."""
+        works, targets = [], []
         for i, (bucket, full) in enumerate(zip(self.buckets, self.full_data)):
             storage_cache.fill(full)
             if chunks is not None:
-                source = chunks[i]
+                sources = chunks[i]
             else:
-                source = bucket.shard
+                shard = bucket.shard
                 if self.offload is not None:
-                    source = to_compute_device(source, full.device)
+                    shard = to_compute_device(shard, full.device)
+                sources = gather.sources(bucket, shard)
+            targets.append(gather.targets(bucket, full, self.groups.shard_size))
             with profiler_range("copy_in", self.name):
-                ops.cast_into_slot(source, full, slot)
-            if group is not None:
-                slot_view = full.narrow(0, slot * source.numel(), source.numel())
-                works.append(comm.all_gather_into(full, slot_view, group, async_op))
+                works += gather.copy_in_and_gather(targets[-1], sources, slot, group, async_op)
+        if async_op:
+            self._copy_out_after_wait = targets
+        else:
+            self._copy_out(targets)
         return works
+
+    def _copy_out(self, targets: list[list[torch.Tensor]]) -> None:
+        with profiler_range("copy_out", self.name):
+            for bucket, full, bucket_targets in zip(self.buckets, self.full_data, targets):
+                gather.copy_out(bucket, full, bucket_targets)
 
     def check_params_unchanged(self) -> None:
         """Raise, before any collective, if a sharded parameter was replaced since fully_shard.
@@ -193,20 +224,66 @@ class Unit:
                             "fully_shard: the sharded parameter is no longer the module's attribute. "
                             "Change parameters in place (torch.no_grad() + copy_) or via "
                             "load_state_dict, or make the change before fully_shard")
-                param = slot.param
-                if param.shape != view.shape or param.data_ptr() != view.data_ptr():
+                local = dtensor_params.local_of(slot.param)
+                replaced = local is not slot.param and dtensor_params.data_was_replaced(slot.param)
+                if replaced or local.shape != view.shape or (local.data_ptr() != view.data_ptr()
+                                                             and not view.is_meta):
+                    local = slot.param.data if replaced else local
                     raise RuntimeError(
                         f"parameter '{name}' had its .data replaced after fully_shard (now shape "
-                        f"{list(param.shape)}; this rank's shard is {list(view.shape)} of the "
+                        f"{list(local.shape)}; this rank's shard is {list(view.shape)} of the "
                         f"original {list(slot.shape)}): it no longer views the sharded storage "
                         "(or a forward ran inside summon_full_params). Copy new values in place, "
                         "or make the change before fully_shard")
+
+    def check_materialized(self) -> None:
+        """Raise if parameters are still on the meta device (built under torch.device("meta"),
+        sharded, and never given storage)."""
+        for bucket in self.buckets:
+            if bucket.shard.is_meta:
+                raise RuntimeError(
+                    f"unit '{self.name or '<root>'}' ({type(self.module).__name__}) still has its "
+                    f"parameters (e.g. '{bucket.slots[0].fqn}') on the meta device: call "
+                    "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) "
+                    "before the first forward, as with torch's fully_shard")
+
+    def adopt_params(self) -> None:
+        """After nn.Module._apply (`to_empty`, `to`) or `load_state_dict(assign=True)` gave the
+        modules new parameters: copy their values into the shard (allocated now if it was on the
+        meta device) and make them view it again."""
+        device = self.groups.device
+        for bucket in self.buckets:
+            current = [slot.locations[0][0]._parameters[slot.locations[0][1]] for slot in bucket.slots]
+            locals_ = [dtensor_params.local_of(p) for p in current]
+            if any(t.is_meta for t in locals_):
+                continue  # still (or again) on meta: nothing to adopt
+            for slot, param, local in zip(bucket.slots, current, locals_):
+                setattr(param, OWNER_ATTR, getattr(slot.param, OWNER_ATTR, None))
+                if local.dtype != bucket.dtype:
+                    raise NotImplementedError(
+                        f"parameter '{slot.fqn}' changed dtype ({bucket.dtype} -> {local.dtype}) "
+                        "after fully_shard: cast the model before sharding it")
+                for module, attr in slot.locations:
+                    module._parameters[attr] = param
+                slot.param = param
+            if bucket.shard.is_meta:
+                bucket.shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
+                bucket.shard_views = bucket.local_views(bucket.shard)
+            with torch.no_grad():
+                for view, local in zip(bucket.shard_views, locals_):
+                    if view.numel() and local.data_ptr() != view.data_ptr():
+                        view.copy_(local.reshape(view.shape))
+            bucket.point_params_at_shard()
+        self._no_grad_view_cache = None
 
     def wait_unshard(self) -> None:
         if self.pending_unshard is not None:
             with span("all_gather.wait", self.name):
                 self.pending_unshard.wait()
             self.pending_unshard = None
+            if self._copy_out_after_wait is not None:
+                targets, self._copy_out_after_wait = self._copy_out_after_wait, None
+                self._copy_out(targets)
             self.unsharded = True
 
     def reshard(self) -> None:
@@ -218,20 +295,15 @@ class Unit:
         keep_chunk = (k > 1 and self.groups.post_forward is not None and self.schedule.in_forward
                       and torch.is_grad_enabled())
         if keep_chunk:  # reshard_after_forward=k: keep 1/k of the unit for a cheaper regather
-            j = self.groups.post_forward_rank
             self.post_forward_chunks = [
-                full.narrow(0, j * (full.numel() // k), full.numel() // k).clone()
-                for full in self.full_data]
+                gather.post_forward_chunks(bucket, full, self.groups.shard_size, k,
+                                           self.groups.post_forward_rank)
+                for bucket, full in zip(self.buckets, self.full_data)]
         for full in self.full_data:
             storage_cache.release(full)
         self.unsharded = False
         self.schedule.note_reshard(self)
         RECORDER.add("reshard", self.name)
-
-    def bucket_views(self, index: int, full: torch.Tensor) -> list[torch.Tensor]:
-        bucket = self.buckets[index]
-        pieces = full.split(bucket.split_sizes)
-        return [pieces[i].view(slot.shape) for slot, i in zip(bucket.slots, bucket.piece_indices)]
 
     def use_unsharded_params(self) -> None:
         """Point every module attribute at a view of the gathered buffers (no copy-out)."""
@@ -247,10 +319,10 @@ class Unit:
             for i in self.grad_bucket_indices:
                 for slot in self.buckets[i].slots:
                     views[id(slot)] = next(flat_views)
-        for i, (bucket, full) in enumerate(zip(self.buckets, self.full)):
+        for bucket, full in zip(self.buckets, self.full):
             if tracked and bucket.requires_grad:
                 continue
-            for slot, view in zip(bucket.slots, self.bucket_views(i, full)):
+            for slot, view in zip(bucket.slots, bucket.full_views(full)):
                 views[id(slot)] = view
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -264,8 +336,8 @@ class Unit:
             with torch.no_grad():
                 self._no_grad_view_cache = [
                     (module, attr, view)
-                    for i, (bucket, full) in enumerate(zip(self.buckets, self.full))
-                    for slot, view in zip(bucket.slots, self.bucket_views(i, full))
+                    for bucket, full in zip(self.buckets, self.full)
+                    for slot, view in zip(bucket.slots, bucket.full_views(full))
                     for module, attr in slot.locations]
         return self._no_grad_view_cache
 
@@ -379,57 +451,3 @@ def _owned_modules(module: nn.Module) -> list[nn.Module]:
         owned.append(mod)
         stack.extend(c for c in reversed(list(mod.children())) if unit_of(c) is None)
     return owned
-
-
-def _build_buckets(module: nn.Module, groups: comm.Groups) -> list[Bucket]:
-    """Group the parameters this unit owns (not those of child units) by (dtype, requires_grad)."""
-    slots: dict[int, ParamSlot] = {}
-    child_owner: dict[int, str] = {}
-    stack = [(module, "")]
-    while stack:
-        mod, prefix = stack.pop()
-        for attr, param in mod._parameters.items():
-            if param is None:
-                continue
-            fqn = prefix + attr
-            if id(param) in child_owner:
-                raise ValueError(
-                    f"parameter '{fqn}' is shared with '{child_owner[id(param)]}', which belongs to "
-                    "another fully_shard unit; tied weights must live in one unit (wrap their "
-                    "common parent instead)")
-            if id(param) in slots:
-                slots[id(param)].locations.append((mod, attr))
-                continue
-            _check_param(param, fqn, module)
-            if (owner := getattr(param, OWNER_ATTR, None)) is not None:
-                raise ValueError(
-                    f"parameter '{fqn}' of {type(module).__name__} already belongs to the unit of "
-                    f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
-            slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape, 0)
-        for name, child in reversed(list(mod._modules.items())):
-            if child is None:
-                continue
-            child_unit = unit_of(child)
-            if child_unit is not None:
-                for bucket in child_unit.buckets:
-                    for slot in bucket.slots:
-                        child_owner[id(slot.param)] = prefix + name + "." + slot.fqn
-                continue
-            stack.append((child, prefix + name + "."))
-    for pid, owner in child_owner.items():
-        if pid in slots:
-            raise ValueError(f"parameter '{slots[pid].fqn}' is shared with '{owner}', which "
-                             "belongs to another fully_shard unit; tied weights must live in one unit")
-    groups_by_key: dict[tuple, list[ParamSlot]] = {}
-    for slot in slots.values():  # visit order: a module's own parameters, then its children's
-        groups_by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
-    for slot in slots.values():
-        setattr(slot.param, OWNER_ATTR, f"{type(module).__name__} (parameter '{slot.fqn}')")
-    return [Bucket(dtype, requires_grad, bucket_slots, groups.shard_size, groups.shard_rank)
-            for (dtype, requires_grad), bucket_slots in groups_by_key.items()]
-
-
-def _check_param(param: nn.Parameter, fqn: str, module: nn.Module) -> None:
-    where = f"parameter '{fqn}' of {type(module).__name__}"
-    if not torch.is_floating_point(param) or param.dtype not in ops.checks.FLOAT_DTYPES:
-        raise TypeError(f"{where} has dtype {param.dtype}; fsdp_ext shards fp32/bf16/fp16 only")

@@ -37,7 +37,8 @@ from .state_dict import sharded_state_dict
 @contextlib.contextmanager
 def quiet_sharded_tensor():
     """DCP touches ShardedTensor attributes, each of which warns that ShardedTensor is deprecated
-    in favour of DTensor; DTensor cannot describe our layout (see docs), so silence that one."""
+    in favour of DTensor; DTensor cannot describe FSDP1's flat layout (a rank's part of a parameter
+    may cut a row), whose state dicts use it, so silence that one."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*",
                                 category=FutureWarning)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..runtime import dtensor_params
 from .checkpoint_files import CheckpointError
 from .optim_state_dict import param_infos
 from .sharded_tensor import flat_sharded_tensor, local_param_range
@@ -76,8 +77,9 @@ def optim_template(model: nn.Module, saved: dict) -> dict:
     """A name-keyed sharded optimizer state dict for this rank's layout, to read into.
 
     Built from the checkpoint's metadata, so it works for an optimizer that has not stepped yet:
-    a state tensor saved with the flattened parameter's size becomes a ShardedTensor over this
-    rank's range; anything else (step, hyperparameters) a placeholder DCP replaces.
+    a state tensor saved in the parameter's shape becomes a DTensor of this rank's rows (DTensor
+    parameters), one saved with the flattened parameter's size a ShardedTensor over this rank's
+    range (FSDP1's flat views); anything else (step, hyperparameters) a placeholder DCP replaces.
     """
     infos = {info.name: info for info in param_infos(model).values()}
     template: dict = {}
@@ -91,10 +93,17 @@ def optim_template(model: nn.Module, saved: dict) -> dict:
         if isinstance(md, TensorStorageMetadata):
             dtype = md.properties.dtype
             info = infos.get(path[1]) if path[0] == "state" and len(path) == 3 else None
-            if info is not None and path[2] != "step" and list(md.size) == [info.slot.numel]:
-                start, end = local_param_range(info.bucket, info.slot)
+            sharded = info is not None and path[2] != "step"
+            if sharded and info.bucket.distributed and list(md.size) == list(info.slot.shape):
+                # A DTensor parameter's state: DCP reads this rank's rows into the template.
+                shape = info.bucket.layout.local_shape(info.index)
+                value = dtensor_params.as_dtensor(
+                    torch.empty(shape, dtype=dtype, device=info.bucket.shard.device),
+                    info.bucket.spec_of(info.index))
+            elif sharded and list(md.size) == [info.slot.numel]:
+                start, end = local_param_range(info.bucket, info.index)
                 local = torch.empty(end - start, dtype=dtype, device=info.bucket.shard.device)
-                value = (flat_sharded_tensor(info.bucket, info.slot, local, info.unit.groups.shard)
+                value = (flat_sharded_tensor(info.bucket, info.index, local, info.unit.groups.shard)
                          if distributed else local.view(info.slot.shape))
             else:
                 value = torch.empty(md.size, dtype=dtype)

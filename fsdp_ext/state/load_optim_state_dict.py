@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from ..runtime import dtensor_params
 from .optim_state_dict import ParamInfo, param_infos
 from .sharded_tensor import local_param_range, local_part_of
 
@@ -44,8 +45,21 @@ def to_local_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _local_value(key: str, value, info: ParamInfo, param: torch.Tensor):
-    """This rank's part of a saved state value (a private copy: the optimizer owns it)."""
-    start, end = local_param_range(info.bucket, info.slot)
+    """This rank's part of a saved state value (a private copy: the optimizer owns it), shaped
+    like the parameter's local tensor: a DTensor like the parameter when it is one."""
+    local = _local_part(key, value, info, param)
+    if (dtensor_params.is_dtensor(param) and isinstance(local, torch.Tensor)
+            and not dtensor_params.is_dtensor(local) and key != "step"
+            and local.numel() == dtensor_params.local_of(param).numel()):
+        local = dtensor_params.as_dtensor(local.view(dtensor_params.local_of(param).shape),
+                                       param._spec)
+    return local
+
+
+def _local_part(key: str, value, info: ParamInfo, param: torch.Tensor):
+    if dtensor_params.is_dtensor(value):
+        return value.clone()
+    start, end = local_param_range(info.bucket, info.index)
     where = f"optimizer state '{key}' of '{info.name}'"
     if isinstance(value, ShardedTensor):
         size = list(value.metadata().size)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from .. import ops
+from ..runtime import dtensor_params
 from ..runtime.registry import unit_of
 from .sharded_tensor import local_param_range, local_part_of
 from .state_dict import StateDictSettings, slot_keys, state_dict_settings
@@ -31,15 +32,18 @@ def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metada
     keys = slot_keys(unit)
     with torch.no_grad():
         for bucket in unit.buckets:
-            parts = []  # (slot, this rank's part as a 1-D tensor)
-            for slot in bucket.slots:
+            parts = []  # (index, this rank's part as a 1-D tensor)
+            for index, slot in enumerate(bucket.slots):
                 present = [prefix + k for k in keys[id(slot)] if prefix + k in state_dict]
                 if not present:
                     continue  # nn.Module reports it as missing (strict) or leaves it
+                value = state_dict[present[0]]
+                if dtensor_params.is_dtensor(value):
+                    continue  # DTensor to DTensor parameter: nn.Module's copy_ (resharding if needed)
                 try:
-                    part = _local_part(bucket, slot, state_dict[present[0]], present[0])
-                    if not _is_shard_view(part, slot):  # else: already in place (DCP loaded it)
-                        parts.append((slot, part))
+                    part = _local_part(bucket, index, value, present[0])
+                    if not _is_shard_view(part, bucket.shard_views[index]):  # else already in place
+                        parts.append((index, part))
                 except ValueError as exc:
                     error_msgs.append(str(exc))
                 for key in present:
@@ -47,18 +51,19 @@ def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metada
             _write_parts(bucket, parts)
 
 
-def _is_shard_view(part: torch.Tensor, slot) -> bool:
-    view = slot.param.data
+def _is_shard_view(part: torch.Tensor, view: torch.Tensor) -> bool:
     return (part.dtype == view.dtype and part.device == view.device and part.numel() == view.numel()
             and part.numel() > 0 and part.data_ptr() == view.data_ptr())
 
 
-def _local_part(bucket, slot, value, key: str) -> torch.Tensor:
-    """This rank's elements of `value` (full tensor or flattened ShardedTensor) for `slot`."""
-    start, end = local_param_range(bucket, slot)
+def _local_part(bucket, index: int, value, key: str) -> torch.Tensor:
+    """This rank's elements of `value` (full tensor, or flattened ShardedTensor of the flat
+    layout) for parameter `index`, flattened."""
+    slot = bucket.slots[index]
+    start, end = local_param_range(bucket, index)
     if isinstance(value, ShardedTensor):
         size = list(value.metadata().size)  # (not .size(): ShardedTensor's tensor ops warn)
-        if size != [slot.numel]:
+        if bucket.layout.kind != "flat" or size != [slot.numel]:
             raise ValueError(f"size mismatch for {key}: the sharded entry has global size "
                              f"{size}, the parameter has shape {list(slot.shape)} "
                              f"(flattened [{slot.numel}])")
@@ -73,10 +78,10 @@ def _local_part(bucket, slot, value, key: str) -> torch.Tensor:
 
 
 def _write_parts(bucket, parts: list) -> None:
-    """Write each (slot, part) into the local shard; one pack when the bucket is complete."""
+    """Write each (index, part) into the local shard; one pack when the bucket is complete."""
     shard = bucket.shard
 
-    def source(slot, part):
+    def source(index, part):
         part = part.to(device=shard.device)
         if part.dtype not in ops.checks.FLOAT_DTYPES:
             part = part.to(bucket.dtype)
@@ -84,17 +89,17 @@ def _write_parts(bucket, parts: list) -> None:
         # pack zeroes and rewrites the window.
         if part.numel() and part.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
             part = part.clone()
-        return part.contiguous(), slot.offset + local_param_range(bucket, slot)[0]
+        return part.contiguous(), bucket.layout.local_range(index)[0]
 
-    if len(parts) == len(bucket.slots):  # the whole window is known: one launch, padding zeroed
-        srcs, offsets = zip(*(source(s, p) for s, p in parts)) if parts else ((), ())
-        ops.pack(list(srcs), list(offsets), shard, bucket.shard_start)
+    if len(parts) == len(bucket.slots):  # the whole shard is known: one launch, padding zeroed
+        srcs, offsets = zip(*(source(i, p) for i, p in parts)) if parts else ((), ())
+        ops.pack(list(srcs), list(offsets), shard, 0)
         return
-    for slot, part in parts:  # some parameters keep their values: write only the others' windows
-        lo, hi = bucket.local_range(slot)
+    for index, part in parts:  # some parameters keep their values: write only the others' windows
+        lo, hi = bucket.layout.local_range(index)
         if hi > lo:
-            src, offset = source(slot, part)
-            ops.pack([src], [offset], shard[lo:hi], bucket.shard_start + lo)
+            src, offset = source(index, part)
+            ops.pack([src], [offset], shard[lo:hi], lo)
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):

@@ -1,15 +1,17 @@
 """Optimizer state dicts keyed by parameter names, full or sharded.
 
-A `torch.optim` optimizer over a sharded model steps on the parameters' 1-D shard views, so its state
-tensors shaped like a parameter's local part (exp_avg, momentum_buffer, ...) are sharded exactly like
-the parameter; anything else (the scalar `step`, python numbers) is the same on every rank.
+A `torch.optim` optimizer over a sharded model steps on the parameters' shards (fully_shard's
+DTensor parameters, or FullyShardedDataParallel's 1-D views), so its state tensors shaped like a
+parameter (exp_avg, momentum_buffer, ...) are sharded exactly like it; anything else (the scalar
+`step`, python numbers) is the same on every rank.
 
     {"state": {name: {key: value}}, "param_groups": [{..hyperparameters.., "params": [names]}]}
 
   * full: sharded state tensors gathered to the parameter's shape (bucket by bucket, one all-gather
     per state key), equal to what the unwrapped model's optimizer holds, re-keyed by name;
-  * sharded: each sharded state tensor as a ShardedTensor over the flattened parameter, laid out
-    like the model's sharded state dict, so torch.distributed.checkpoint reshards it.
+  * sharded: each sharded state tensor as the optimizer holds it for DTensor parameters, or, for
+    FSDP1's flat views, as a ShardedTensor over the flattened parameter laid out like the model's
+    sharded state dict; torch.distributed.checkpoint reshards either.
 
 Names are those of `model.named_parameters()` (a tied weight is named once, by its first name).
 """
@@ -21,10 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import ops
-from ..runtime import comm
+from ..runtime import dtensor_params, gather
 from ..runtime.registry import units_of
-from .sharded_tensor import flat_sharded_tensor, local_param_range
+from .sharded_tensor import flat_sharded_tensor
 
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
@@ -34,7 +35,11 @@ class ParamInfo:
     name: str
     unit: object
     bucket: object
-    slot: object
+    index: int       # the parameter's place in its bucket
+
+    @property
+    def slot(self):
+        return self.bucket.slots[self.index]
 
 
 def param_infos(model: nn.Module) -> dict[int, ParamInfo]:
@@ -42,8 +47,8 @@ def param_infos(model: nn.Module) -> dict[int, ParamInfo]:
     where = {}
     for unit in units_of(model):
         for bucket in unit.buckets:
-            for slot in bucket.slots:
-                where[id(slot.param)] = (unit, bucket, slot)
+            for index, slot in enumerate(bucket.slots):
+                where[id(slot.param)] = (unit, bucket, index)
     infos = {}
     for name, param in model.named_parameters():
         if id(param) not in where:
@@ -54,7 +59,10 @@ def param_infos(model: nn.Module) -> dict[int, ParamInfo]:
 
 
 def _is_sharded(value, param: torch.Tensor) -> bool:
-    """Local rule: a state tensor of the parameter's local (1-D) shape is sharded like it."""
+    """Local rule: a state tensor shaped like the parameter is sharded like it (a DTensor of the
+    DTensor parameter's shape; a 1-D tensor of an FSDP1 flat view's)."""
+    if dtensor_params.is_dtensor(param):
+        return dtensor_params.is_dtensor(value) and value.shape == param.shape
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape
 
 
@@ -111,8 +119,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, full: b
                 info = infos[id(p)]
                 entry = {}
                 for key, value in optimizer.state.get(p, {}).items():
-                    if key in sharded_keys[info.name]:
-                        value = (flat_sharded_tensor(info.bucket, info.slot, value.contiguous(),
+                    if key in sharded_keys[info.name] and not dtensor_params.is_dtensor(value):
+                        value = (flat_sharded_tensor(info.bucket, info.index, value.contiguous(),
                                                      info.unit.groups.shard) if distributed
                                  else value.view(info.slot.shape))
                     entry[key] = value
@@ -135,7 +143,7 @@ def _gather_full_states(optimizer, infos, sharded_keys, state, cpu_offload) -> N
             members = [(p, info) for p, info in params if info.bucket is bucket]
             for key in sorted({k for _, info in members for k in sharded_keys[info.name]}):
                 having = [(p, info) for p, info in members if key in sharded_keys[info.name]]
-                fulls = _gather_state(unit, bucket, [info.slot for _, info in having],
+                fulls = _gather_state(unit, bucket, [info.index for _, info in having],
                                       [optimizer.state[p][key] for p, _ in having])
                 for (_, info), tensor in zip(having, fulls):
                     gathered[info.name, key] = tensor
@@ -149,28 +157,18 @@ def _gather_full_states(optimizer, infos, sharded_keys, state, cpu_offload) -> N
         state[info.name] = entry
 
 
-def _gather_state(unit, bucket, slots, tensors) -> list[torch.Tensor]:
-    """All-gather state tensors laid out like `slots` in `bucket`; return them in full shape."""
-    device, dtype = unit.groups.device, tensors[0].dtype
-    local = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
-    if dtype in ops.checks.FLOAT_DTYPES:  # one pass over the window, gaps zeroed
-        srcs = [t.to(device=device, dtype=dtype).contiguous() for t in tensors]
-        offsets = [slot.offset + local_param_range(bucket, slot)[0] for slot in slots]
-        ops.pack(srcs, offsets, local, bucket.shard_start)
-    else:
-        local.zero_()
-        for slot, tensor in zip(slots, tensors):
-            lo, hi = bucket.local_range(slot)
-            local[lo:hi].copy_(tensor.reshape(-1))
-    full = torch.empty(bucket.numel_padded, dtype=dtype, device=device)
-    if unit.groups.shard is None:
-        full.copy_(local)
-    else:
-        comm.all_gather_into(full, local, unit.groups.shard, async_op=False)
-    outs = [torch.empty(slot.shape, dtype=dtype, device=device) for slot in slots]
-    if dtype in ops.checks.FLOAT_DTYPES:
-        ops.unpack(full, 0, [slot.offset for slot in slots], outs)
-    else:
-        for slot, out in zip(slots, outs):
-            out.view(-1).copy_(full[slot.offset:slot.offset + slot.numel])
-    return outs
+def _gather_state(unit, bucket, indices, tensors) -> list[torch.Tensor]:
+    """All-gather state tensors laid out like parameters `indices` of `bucket` (their local
+    tensors: DTensors' local parts, or FSDP1's flat views); return them in full shape."""
+    device, dtype = unit.groups.device, dtensor_params.local_of(tensors[0]).dtype
+    local = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+    for index, tensor in zip(indices, tensors):
+        lo, hi = bucket.layout.local_range(index)
+        local[lo:hi].copy_(dtensor_params.local_of(tensor).reshape(-1))
+    full = torch.empty(bucket.full_numel, dtype=dtype, device=device)
+    targets = gather.targets(bucket, full, unit.groups.shard_size)
+    gather.copy_in_and_gather(targets, gather.sources(bucket, local), unit.groups.shard_rank,
+                              unit.groups.shard, async_op=False)
+    gather.copy_out(bucket, full, targets)
+    views = bucket.full_views(full)
+    return [views[index] for index in indices]

@@ -114,9 +114,9 @@ def _write_own_ranges(fd: int, entries: list[Entry], data_start: int, rank: int)
         groups = e.info.unit.groups
         if groups.replicate is not None and dist.get_rank(groups.replicate) != 0:
             continue  # another replica holds the same bytes
-        start, end = local_param_range(e.info.bucket, e.info.slot)
-        if end > start:
-            os.pwrite(fd, _as_bytes(e.info.slot.param.data),
+        start, end = local_param_range(e.info.bucket, e.info.index)
+        if end > start:  # a rank's part of a row-major tensor is one range: rows, or FSDP1's span
+            os.pwrite(fd, _as_bytes(e.info.bucket.shard_views[e.info.index]),
                       data_start + e.begin + start * e.dtype.itemsize)
 
 

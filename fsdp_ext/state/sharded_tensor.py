@@ -1,8 +1,8 @@
 """A sharded parameter as a `ShardedTensor` over its flattened 1-D view, built without collectives.
 
 Every rank knows the whole bucket layout, so it knows which elements of each parameter every rank of
-the shard group owns: rank r owns the intersection of [slot.offset, slot.offset + numel) with
-[r * shard_numel, (r + 1) * shard_numel). Describing the parameter flattened to 1-D (global size
+the shard group owns (layout.py: `param_range`, one contiguous range of the flattened parameter in
+the flat layout of FullyShardedDataParallel, whose parameters these describe). Describing the parameter flattened to 1-D (global size
 [numel]) makes each rank's part one contiguous chunk, which `torch.distributed.checkpoint` saves
 as is and reshards on load by intersecting 1-D ranges: any world size can read what any other wrote.
 
@@ -18,20 +18,12 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                                TensorProperties)
 
-from ..runtime.flat_param import Bucket, ParamSlot
+from ..runtime.bucket import Bucket
 
 
-def param_range(bucket: Bucket, slot: ParamSlot, shard_rank: int) -> tuple[int, int]:
-    """The elements [start, end) of the flattened parameter that shard rank `shard_rank` owns."""
-    lo, hi = shard_rank * bucket.shard_numel, (shard_rank + 1) * bucket.shard_numel
-    start = min(max(slot.offset, lo), slot.offset + slot.numel)
-    end = max(min(slot.offset + slot.numel, hi), start)
-    return start - slot.offset, end - slot.offset
-
-
-def local_param_range(bucket: Bucket, slot: ParamSlot) -> tuple[int, int]:
-    """This rank's [start, end) of the flattened parameter (the elements its shard view holds)."""
-    return param_range(bucket, slot, bucket.rank)
+def local_param_range(bucket: Bucket, index: int) -> tuple[int, int]:
+    """This rank's [start, end) of the flattened parameter `index` (what its shard view holds)."""
+    return bucket.layout.param_range(index)
 
 
 def _global_ranks(shard_group) -> list[int]:
@@ -40,21 +32,22 @@ def _global_ranks(shard_group) -> list[int]:
     return dist.get_process_group_ranks(shard_group)
 
 
-def flat_sharded_tensor(bucket: Bucket, slot: ParamSlot, local: torch.Tensor,
+def flat_sharded_tensor(bucket: Bucket, index: int, local: torch.Tensor,
                         shard_group) -> ShardedTensor:
-    """A ShardedTensor of global size [slot.numel] whose one local shard is `local`.
+    """A ShardedTensor of global size [numel] of parameter `index`, whose one local shard is `local`.
 
     Args:
-        bucket, slot: the layout that says which rank owns which range.
+        bucket, index: the layout that says which rank owns which range, and the parameter.
         local: this rank's part, a contiguous 1-D tensor of local_param_range's length (the
             parameter's shard view, or an optimizer state tensor of the same shape).
         shard_group: the unit's shard group (None when the unit is not sharded).
     """
     ranks = _global_ranks(shard_group)
     device = local.device
+    slot = bucket.slots[index]
     shards_md, local_shards = [], []
     for shard_rank, global_rank in enumerate(ranks):
-        start, end = param_range(bucket, slot, shard_rank)
+        start, end = bucket.layout.param_range(index, shard_rank)
         if end == start:
             # A rank that owns nothing still gets a local shard: an empty one at the end, where it
             # overlaps nothing. DCP's planners drop a ShardedTensor without local shards from that
@@ -64,7 +57,7 @@ def flat_sharded_tensor(bucket: Bucket, slot: ParamSlot, local: torch.Tensor,
         md = ShardMetadata(shard_offsets=[start], shard_sizes=[end - start],
                            placement=f"rank:{global_rank}/{device}")
         shards_md.append(md)
-        if shard_rank == bucket.rank:
+        if shard_rank == bucket.layout.rank:
             if local.numel() != end - start:
                 raise AssertionError(f"local part of '{slot.fqn}' has {local.numel()} elements, "
                                      f"layout says {end - start}")

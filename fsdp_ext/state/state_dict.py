@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import ops
-from ..runtime import comm
+from ..runtime import gather
 from ..runtime.registry import unit_of, units_of
 from .sharded_tensor import flat_sharded_tensor
 
@@ -101,10 +100,12 @@ def _fill_sharded(unit, state_dict: dict, prefix: str) -> None:
     keys = slot_keys(unit)
     distributed = dist.is_available() and dist.is_initialized()
     for bucket in unit.buckets:
-        for slot in bucket.slots:
+        if bucket.layout.kind == "rows":
+            continue  # the parameters are DTensors (or, without a process group, full tensors)
+        for index, slot in enumerate(bucket.slots):
             local = slot.param.detach()
             # Without a process group there is nothing to shard over: hand out the plain tensor.
-            value = (flat_sharded_tensor(bucket, slot, local, unit.groups.shard) if distributed
+            value = (flat_sharded_tensor(bucket, index, local, unit.groups.shard) if distributed
                      else local.view(slot.shape))
             for key in keys[id(slot)]:
                 if prefix + key in state_dict:
@@ -130,17 +131,14 @@ def _fill_full(unit, state_dict: dict, prefix: str, settings: StateDictSettings)
 
 
 def gather_bucket_params(unit, bucket) -> list[torch.Tensor]:
-    """All-gather one bucket (original dtype) and unpack it into full-shape parameter tensors."""
+    """All-gather one bucket in its own dtype; the full-shape parameters (views of one buffer)."""
     device = unit.groups.device  # the collective's device (the shard may be offloaded to the CPU)
-    shard = bucket.shard.to(device)
-    full = torch.empty(bucket.numel_padded, dtype=bucket.dtype, device=device)
-    if unit.groups.shard is None:
-        full.copy_(shard)
-    else:
-        comm.all_gather_into(full, shard, unit.groups.shard, async_op=False)
-    outs = [torch.empty(slot.shape, dtype=bucket.dtype, device=full.device) for slot in bucket.slots]
-    ops.unpack(full, 0, [slot.offset for slot in bucket.slots], outs)
-    return outs
+    full = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=device)
+    targets = gather.targets(bucket, full, unit.groups.shard_size)
+    gather.copy_in_and_gather(targets, gather.sources(bucket, bucket.shard.to(device)),
+                              unit.groups.shard_rank, unit.groups.shard, async_op=False)
+    gather.copy_out(bucket, full, targets)
+    return bucket.full_views(full)
 
 
 # ---- public functions -------------------------------------------------------------------------------

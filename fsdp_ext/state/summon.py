@@ -1,7 +1,8 @@
 """`summon_full_params`: full-shape, full-precision parameters in place, for inspection or editing.
 
-Inside the block every sharded `nn.Parameter` (the same objects the optimizer holds) has its full
-shape and value; with `writeback=True` edits are copied back into this rank's shard on exit. Every
+Inside the block every sharded parameter has its full shape and value (FullyShardedDataParallel's
+are the same objects the optimizer holds; fully_shard's DTensor parameters are replaced by full
+ones for the block); with `writeback=True` edits are copied back into this rank's shard on exit. Every
 rank must enter it (it all-gathers). It holds every unit unsharded at once, so use it on models that
 fit, as with FSDP1's `summon_full_params`.
 """
@@ -25,16 +26,23 @@ def summon_full_params(model: nn.Module, writeback: bool = True):
             for bucket in unit.buckets:
                 tensors = gather_bucket_params(unit, bucket)
                 for slot, tensor in zip(bucket.slots, tensors):
-                    slot.param.data = tensor
-                gathered.append((bucket, tensors))
+                    if bucket.distributed:  # a DTensor parameter cannot take a full tensor's data
+                        for module, attr in slot.locations:
+                            module._parameters[attr] = nn.Parameter(
+                                tensor, requires_grad=slot.param.requires_grad)
+                    else:
+                        slot.param.data = tensor
+                gathered.append((unit, bucket, tensors))
     try:
         yield
     finally:
         with torch.no_grad():
-            for bucket, tensors in gathered:
+            for unit, bucket, tensors in gathered:
                 if writeback:
-                    for slot, tensor, view in zip(bucket.slots, tensors, bucket.shard_views):
-                        start, end = bucket.local_range(slot)
-                        offset = bucket.shard_start + start - slot.offset
-                        view.copy_(tensor.reshape(-1)[offset:offset + (end - start)])
+                    for index, (slot, view) in enumerate(zip(bucket.slots, bucket.shard_views)):
+                        start, end = bucket.layout.param_range(index)
+                        module, attr = slot.locations[0]
+                        full = module._parameters[attr] if bucket.distributed else tensors[index]
+                        view.view(-1).copy_(full.reshape(-1)[start:end])
                 bucket.point_params_at_shard()
+                unit.use_sharded_params()

@@ -1,0 +1,185 @@
+"""Where each parameter of a bucket lives: in every rank's shard, in the gathered buffer, and in the
+packed gradients. Index math only (no tensors), shared by the runtime, the state code and the planner.
+
+Two layouts, chosen by the API that built the unit:
+
+* "flat" (FullyShardedDataParallel, FSDP1 with use_orig_params): the parameters lie one after
+  another (each ALIGN-aligned) in one flat index space padded to a multiple of W; rank r holds
+  [r * S, (r + 1) * S). A parameter's part on a rank is a contiguous range of its flattened
+  elements (possibly empty, possibly cutting a row). The gathered buffer is the flat space itself:
+  every parameter is a view of it, one collective per bucket.
+
+* "rows" (fully_shard, FSDP2): each parameter is cut along dim 0 with torch.chunk's semantics,
+  c = ceil(rows / W) rows per rank, rank r holding rows [r * c, min((r + 1) * c, rows)), which is
+  DTensor's Shard(0). A rank's shard holds its chunk of every parameter, padded to c rows, so every
+  rank sends as many elements as the others.
+
+[Note: gather groups] A bucket is gathered by one collective per group. Group g takes the
+region [g.shard_offset, g.shard_offset + Q) of every rank's shard (Q = g.shard_numel) and gathers
+the W regions rank after rank ("rank-major", W * Q elements):
+  * a direct group (flat layout, or one parameter of the rows layout) is gathered straight into the
+    gathered buffer at g.full_offset: rank-major *is* the parameters' own order there (the flat
+    space; a parameter cut by rows, tail-padded), so parameters are views of it: no copy-out;
+  * a copied group (rows layout, several parameters) is gathered into a staging buffer and copied
+    out, one launch, into each parameter's own place in the gathered buffer.
+Candidates, measured side by side (docs/benchmarks.md, "Gathering DTensor parameters"): every
+parameter its own direct group (no copy-out, one collective per parameter), one copied group for
+the whole bucket (one collective and a copy-out pass), and a size split (parameters of at least
+`direct_min_numel` elements direct, the rest one copied group).
+The packed gradients use the same rank-major order per group: group g's block starts at
+W * g.shard_offset, so a reduce-scatter of that block leaves rank r exactly its shard region.
+Groups start ALIGN-aligned (in the shard, the gathered buffer and the packed gradients); the few
+elements between them belong to no group and are never sent.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ALIGN = 8  # elements; 16 bytes at bf16, 32 at fp32: aligned vector access on every device
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class SlotLayout:
+    """One parameter of the bucket."""
+
+    shape: tuple[int, ...]
+    shard_offset: int        # flat: its start in the flat space; rows: its chunk's start in the shard
+    full_offset: int = 0     # where its gathered data starts in the gathered buffer
+    chunk_rows: int = 0      # rows: rows per rank (c); flat: 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+@dataclass
+class GroupLayout:
+    """The parameters gathered by one collective (see [Note: gather groups])."""
+
+    slots: list[int]             # indices into BucketLayout.slots
+    shard_offset: int            # start of the group's region in every rank's shard
+    shard_numel: int             # Q: elements every rank contributes
+    full_offset: int | None      # direct: where its W * Q elements land; None: staged, copied out
+
+    @property
+    def copied(self) -> bool:
+        return self.full_offset is None
+
+
+@dataclass
+class BucketLayout:
+    kind: str                    # "flat" | "rows"
+    world_size: int
+    rank: int
+    slots: list[SlotLayout]
+    groups: list[GroupLayout] = field(default_factory=list)
+    shard_numel: int = 0         # S: elements of every rank's shard
+    full_numel: int = 0          # elements of the gathered buffer
+
+    # ---- what this rank (or any rank) holds ---------------------------------------------------
+    def local_rows(self, index: int, rank: int | None = None) -> int:
+        """rows: the rows of parameter `index` that `rank` holds (torch.chunk; maybe none)."""
+        slot, rank = self.slots[index], self.rank if rank is None else rank
+        rows = slot.shape[0]
+        return max(0, min(slot.chunk_rows, rows - rank * slot.chunk_rows))
+
+    def local_shape(self, index: int, rank: int | None = None) -> tuple[int, ...]:
+        """The shape of this rank's part of parameter `index` (flat: 1-D)."""
+        start, end = self.local_range(index, rank)
+        if self.kind == "flat":
+            return (end - start,)
+        return (self.local_rows(index, rank),) + self.slots[index].shape[1:]
+
+    def local_range(self, index: int, rank: int | None = None) -> tuple[int, int]:
+        """[start, end) of parameter `index`'s part inside `rank`'s shard."""
+        slot, rank = self.slots[index], self.rank if rank is None else rank
+        if self.kind == "rows":
+            start = slot.shard_offset
+            return start, start + self.local_rows(index, rank) * slot.row_numel
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        start = min(max(slot.shard_offset, lo), hi)
+        end = max(min(slot.shard_offset + slot.numel, hi), start)
+        return start - lo, end - lo
+
+    def param_range(self, index: int, rank: int | None = None) -> tuple[int, int]:
+        """[start, end) of the flattened parameter `index` that `rank` holds: one contiguous range
+        in both layouts (a chunk of whole rows of a row-major tensor is one)."""
+        slot, rank = self.slots[index], self.rank if rank is None else rank
+        if self.kind == "rows":
+            first = min(rank * slot.chunk_rows, slot.shape[0]) * slot.row_numel
+            return first, first + self.local_rows(index, rank) * slot.row_numel
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        start = min(max(slot.shard_offset, lo), slot.shard_offset + slot.numel)
+        end = max(min(slot.shard_offset + slot.numel, hi), start)
+        return start - slot.shard_offset, end - slot.shard_offset
+
+    # ---- where rank r's data of a parameter sits in a group's rank-major block ------------------
+    def rank_major_pieces(self, group: GroupLayout) -> list[tuple[int, int, int, int]]:
+        """(slot index, rank, offset in the group's W * Q block, element count) of every
+        non-empty piece: parameter `slot`'s elements from param_range(slot, rank)[0] on."""
+        pieces = []
+        q = group.shard_numel
+        for index in group.slots:
+            for rank in range(self.world_size):
+                start, end = self.local_range(index, rank)
+                if end > start:
+                    pieces.append((index, rank, rank * q + start - group.shard_offset, end - start))
+        return pieces
+
+
+def flat_layout(shapes: list[tuple[int, ...]], world_size: int, rank: int) -> BucketLayout:
+    """FSDP1's flat layout (see the module docstring)."""
+    slots, offset = [], 0
+    for shape in shapes:
+        start = round_up(offset, ALIGN)
+        slots.append(SlotLayout(tuple(shape), shard_offset=start, full_offset=start))
+        offset = start + math.prod(shape)
+    numel_padded = round_up(max(offset, 1), world_size)
+    shard = numel_padded // world_size
+    layout = BucketLayout("flat", world_size, rank, slots, shard_numel=shard,
+                          full_numel=numel_padded)
+    layout.groups = [GroupLayout(list(range(len(slots))), 0, shard, 0)]
+    return layout
+
+
+def rows_layout(shapes: list[tuple[int, ...]], world_size: int, rank: int,
+                direct_min_numel: int) -> BucketLayout:
+    """FSDP2's per-parameter Shard(0) layout. Parameters of at least `direct_min_numel` elements
+    are gathered directly (one group each), the others together in one copied group."""
+    slots = []
+    for shape in shapes:
+        if len(shape) == 0:
+            raise ValueError("0-dim parameters cannot be sharded along dim 0")
+        slots.append(SlotLayout(tuple(shape), 0, chunk_rows=math.ceil(shape[0] / world_size)))
+    direct = [i for i, s in enumerate(slots) if s.numel >= direct_min_numel and s.numel > 0]
+    copied = [i for i in range(len(slots)) if i not in direct]
+    layout = BucketLayout("rows", world_size, rank, slots)
+    shard_offset = full_offset = 0
+    for index in direct:
+        # Q is exactly the padded chunk, so that the gathered block is the parameter (tail-padded);
+        # groups start ALIGN-aligned, in the shard and in the gathered buffer.
+        slot = slots[index]
+        q = slot.chunk_rows * slot.row_numel
+        slot.shard_offset, slot.full_offset = shard_offset, full_offset
+        layout.groups.append(GroupLayout([index], shard_offset, q, full_offset))
+        shard_offset = round_up(shard_offset + q, ALIGN)
+        full_offset = round_up(full_offset + world_size * q, ALIGN)
+    if copied:
+        start = shard_offset
+        for index in copied:
+            slot = slots[index]
+            slot.shard_offset, slot.full_offset = shard_offset, full_offset
+            shard_offset = round_up(shard_offset + slot.chunk_rows * slot.row_numel, ALIGN)
+            full_offset = round_up(full_offset + slot.numel, ALIGN)
+        layout.groups.append(GroupLayout(copied, start, shard_offset - start, None))
+    layout.shard_numel, layout.full_numel = shard_offset, full_offset
+    return layout

@@ -1,0 +1,137 @@
+"""Which parameters a unit owns, the buckets they form, and the sharded state made from them.
+
+A unit owns the parameters of its module's subtree that no unit below it owns. They are grouped by
+(dtype, requires_grad) into buckets (bucket.py), each laid out by layout.py: "flat" for
+FullyShardedDataParallel, "rows" (DTensor Shard(0)) for fully_shard. For the rows layout with a
+process group, the user's parameters are replaced by DTensor parameters over this rank's shard
+(as torch's fully_shard does: build the optimizer after sharding).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .. import ops
+from . import comm, dtensor_params
+from .bucket import Bucket, ParamSlot
+from .layout import flat_layout, rows_layout
+from .offload import host_empty
+from .registry import unit_of
+
+OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
+
+
+def build_buckets(module: nn.Module, groups: comm.Groups, layout: str, mesh,
+                  direct_min_numel: int) -> list[Bucket]:
+    """Group the parameters this unit owns (not those of child units) by (dtype, requires_grad)
+    and lay each group out ("flat" or "rows"; with a `mesh`, rows are DTensors on it)."""
+    slots = _owned_slots(module, layout)
+    by_key: dict[tuple, list[ParamSlot]] = {}
+    for slot in slots:  # visit order: a module's own parameters, then its children's
+        by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
+    for slot in slots:
+        setattr(slot.param, OWNER_ATTR, f"{type(module).__name__} (parameter '{slot.fqn}')")
+    buckets = []
+    world, rank = groups.shard_size, groups.shard_rank
+    for (dtype, requires_grad), bucket_slots in by_key.items():
+        shapes = [tuple(s.shape) for s in bucket_slots]
+        if layout == "flat":
+            bucket_layout = flat_layout(shapes, world, rank)
+        else:
+            bucket_layout = rows_layout(shapes, world, rank, direct_min_numel)
+        spec_of = None
+        if layout == "rows" and mesh is not None:
+            specs = [dtensor_params.spec(mesh, s.shape, dtype) for s in bucket_slots]
+            spec_of = specs.__getitem__
+        buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, spec_of))
+    return buckets
+
+
+def init_sharded_state(buckets: list[Bucket], device: torch.device, offload) -> None:
+    """Allocate every bucket's shard and fill it with this rank's part of the parameters. Rows
+    layout: parameters on the meta device stay there (their shard too) until `to_empty`; the
+    others become DTensor parameters over the shard."""
+    for bucket in buckets:
+        meta = bucket.layout.kind == "rows" and any(s.param.is_meta for s in bucket.slots)
+        if meta:
+            shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device="meta")
+        elif offload is not None:
+            shard = host_empty(bucket.shard_numel, bucket.dtype, offload.pin_memory, device)
+        else:
+            shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
+        sources = [slot.param for slot in bucket.slots]
+        if bucket.distributed:
+            _replace_with_dtensors(bucket, shard)
+        bucket.init_shard(shard, sources)
+
+
+def _replace_with_dtensors(bucket: Bucket, shard: torch.Tensor) -> None:
+    """The modules' parameters become DTensor parameters over `shard` (same names, attributes)."""
+    for index, (slot, view) in enumerate(zip(bucket.slots, bucket.local_views(shard))):
+        param = dtensor_params.make_param(view, bucket.spec_of(index), slot.param.requires_grad)
+        setattr(param, OWNER_ATTR, getattr(slot.param, OWNER_ATTR))
+        for module, attr in slot.locations:
+            module._parameters[attr] = param
+        # Still referenced by a module outside the unit only if it is tied to one there: then the
+        # parent's fully_shard names both (see _owned_slots).
+        slot.replaced = weakref.ref(slot.param)
+        slot.param = param
+
+
+def _owned_slots(module: nn.Module, layout: str) -> list[ParamSlot]:
+    slots: dict[int, ParamSlot] = {}
+    child_owner: dict[int, str] = {}
+    stack = [(module, "")]
+    while stack:
+        mod, prefix = stack.pop()
+        for attr, param in mod._parameters.items():
+            if param is None:
+                continue
+            fqn = prefix + attr
+            if id(param) in child_owner:
+                raise ValueError(
+                    f"parameter '{fqn}' is shared with '{child_owner[id(param)]}', which belongs to "
+                    "another fully_shard unit; tied weights must live in one unit (wrap their "
+                    "common parent instead)")
+            if id(param) in slots:
+                slots[id(param)].locations.append((mod, attr))
+                continue
+            if (owner := getattr(param, OWNER_ATTR, None)) is not None:
+                raise ValueError(
+                    f"parameter '{fqn}' of {type(module).__name__} already belongs to the unit of "
+                    f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
+            _check_param(param, fqn, module, layout)
+            slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape)
+        for name, child in reversed(list(mod._modules.items())):
+            if child is None:
+                continue
+            child_unit = unit_of(child)
+            if child_unit is not None:
+                for bucket in child_unit.buckets:
+                    for slot in bucket.slots:
+                        child_owner[id(slot.param)] = prefix + name + "." + slot.fqn
+                        if (original := slot.replaced()) is not None:
+                            child_owner[id(original)] = prefix + name + "." + slot.fqn
+                continue
+            stack.append((child, prefix + name + "."))
+    for pid, owner in child_owner.items():
+        if pid in slots:
+            raise ValueError(f"parameter '{slots[pid].fqn}' is shared with '{owner}', which "
+                             "belongs to another fully_shard unit; tied weights must live in one unit")
+    return list(slots.values())
+
+
+def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) -> None:
+    where = f"parameter '{fqn}' of {type(module).__name__}"
+    if not torch.is_floating_point(param) or param.dtype not in ops.checks.FLOAT_DTYPES:
+        raise TypeError(f"{where} has dtype {param.dtype}; fsdp_ext shards fp32/bf16/fp16 only")
+    if dtensor_params.is_dtensor(param):
+        raise NotImplementedError(
+            f"{where} is already a DTensor (tensor parallelism, or another fully_shard): "
+            "sharding DTensor parameters again is not supported")
+    if layout == "rows" and param.dim() == 0:
+        raise NotImplementedError(
+            f"{where} is 0-dimensional: fully_shard shards parameters along dim 0 (Shard(0)); "
+            "give it shape [1], or leave it out of the sharded module")
