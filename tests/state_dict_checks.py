@@ -124,7 +124,11 @@ def check_load_forms(case: Case, world_size: int) -> None:
     _expect_error(lambda: target.load_state_dict({**expected, "bogus.weight": torch.zeros(1)}),
                   "Unexpected key", "bogus.weight")
     wrong = {**expected, kept: torch.zeros(expected[kept].numel() + 1)}
-    _expect_error(lambda: target.load_state_dict(wrong), "size mismatch for " + kept)
+    other = {k: v + 1 for k, v in expected.items()}  # what a half-done load would have written
+    before = fsdp_ext.full_state_dict(target)
+    _expect_error(lambda: target.load_state_dict({**other, kept: wrong[kept]}),
+                  "size mismatch for " + kept)
+    assert_same_full(target, before, f"{case.name} after a failed load (nothing written)")
 
 
 # ---- full state dict and FSDP1's state_dict_type ---------------------------------------------------

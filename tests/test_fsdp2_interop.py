@@ -2,9 +2,12 @@
 
 Each check runs the same script with torch's fully_shard and with fsdp_ext's and compares:
 the DTensor parameters and gradients (spec, global shape, each rank's local chunk), the losses and
-torch's clip_grad_norm_ norms step by step and the parameters after training (fp32: exact to
-float rounding; bf16 mixed precision: to bf16 rounding), for FULL_SHARD at worlds 2 and 3, bf16,
-reshard_after_forward=False, HSDP on a 2 x 2 mesh and CPU offload at world 4.
+torch's clip_grad_norm_ norms step by step and the parameters after training (fp32: to float
+rounding; bf16 mixed precision: to bf16 rounding), for FULL_SHARD at worlds 2 and 3, bf16,
+reshard_after_forward=False, HSDP on a 2 x 2 mesh and CPU offload at world 4; then torch's
+state-dict helpers, DCP checkpoints across frameworks and world sizes, torchtitan's flows
+(equal-shape shards through DCP, meta-device init), a Hugging Face Llama through save and resume,
+and FSDP x tensor parallelism on a (dp 2, tp 2) mesh.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fsdp_ext
 
 from . import fsdp2_scripts as scripts
 from .dist_utils import run_distributed
@@ -387,3 +392,107 @@ def hf_llama_loop(rank: int, world_size: int, directory: str) -> None:
 def test_hugging_face_llama_loop(tmp_path):
     pytest.importorskip("transformers")
     run_distributed(hf_llama_loop, 2, str(tmp_path))
+
+
+# ---- FSDP x tensor parallelism on a 2-D mesh ------------------------------------------------------------
+class TPBlock(torch.nn.Module):
+    def __init__(self, dim: int = 12, hidden: int = 20):
+        super().__init__()
+        self.w1 = torch.nn.Linear(dim, hidden)
+        self.w2 = torch.nn.Linear(hidden, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))
+
+
+class TPNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(7, 12)
+        self.blocks = torch.nn.ModuleList(TPBlock() for _ in range(2))
+        self.out = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _tp_model(fsdp, mesh) -> TPNet:
+    """parallelize_module on the "tp" dimension, then fully_shard on the "dp" one."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    torch.manual_seed(0)
+    model = TPNet()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    for block in model.blocks:
+        fsdp.fully_shard(block, mesh=mesh["dp"])
+    return fsdp.fully_shard(model, mesh=mesh["dp"])
+
+
+def _tp_train(model, opt, mesh, steps: int, first: int = 0):
+    dp = mesh["dp"].get_local_rank()
+    out = []
+    for step in range(first, first + steps):
+        x = torch.randn(8, 7, generator=torch.Generator().manual_seed(step))[dp * 4:(dp + 1) * 4]
+        loss = model(x).square().mean()
+        loss.backward()
+        # torch's clip_grad_norm_ cannot mix the dp and (dp, tp) meshes: the norm by hand
+        norm = sum(p.grad.full_tensor().square().sum() for p in model.parameters()) ** 0.5
+        opt.step()
+        opt.zero_grad()
+        out.append((float(loss.detach()), float(norm)))
+    return out
+
+
+def tensor_parallel_worker(rank: int, world_size: int, directory: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    runs = {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        model = _tp_model(fsdp, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        runs[fsdp.name] = (model, opt, _tp_train(model, opt, mesh, 2))
+    ours, theirs = runs["fsdp_ext"][0], runs["torch"][0]
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert p.placements == q.placements and p.device_mesh.ndim == q.device_mesh.ndim, name
+        assert p.to_local().shape == q.to_local().shape, name
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **FP32)
+    for (loss, norm), (ref_loss, ref_norm) in zip(runs["fsdp_ext"][2], runs["torch"][2]):
+        torch.testing.assert_close(loss, ref_loss, **FP32)
+        torch.testing.assert_close(norm, ref_norm, **FP32)
+    # fsdp_ext's own clip and full state dict know the TP mesh too.
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(9))
+    ours(x).square().mean().backward()
+    expected = float(sum(p.grad.full_tensor().square().sum() for p in ours.parameters()) ** 0.5)
+    torch.testing.assert_close(float(ours.clip_grad_norm_(1e9)), expected, **FP32)
+    runs["fsdp_ext"][1].zero_grad()
+    full = fsdp_ext.full_state_dict(ours)
+    for name, p in theirs.named_parameters():
+        torch.testing.assert_close(full[name], p.full_tensor(), **FP32)
+    # DCP: fsdp_ext's FSDP x TP checkpoint resumes torch's FSDP x TP with the same losses, and
+    # loads into a plain 1-D fully_shard model over all four ranks.
+    path = f"{directory}/tp"
+    dcp.save(_checkpoint(ours, runs["fsdp_ext"][1]), checkpoint_id=path)
+    expected = _tp_train(ours, runs["fsdp_ext"][1], mesh, 2, first=2)
+    model = _tp_model(scripts.torch_fsdp(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _restore(model, opt, path)
+    for (loss, norm), (ref_loss, ref_norm) in zip(_tp_train(model, opt, mesh, 2, first=2), expected):
+        torch.testing.assert_close(loss, ref_loss, **FP32)
+        torch.testing.assert_close(norm, ref_norm, **FP32)
+    torch.manual_seed(1)
+    plain = scripts.ours().fully_shard(TPNet(), mesh=init_device_mesh("cpu", (world_size,)))
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    plain.load_state_dict(state["model"])
+    for name, value in full.items():
+        torch.testing.assert_close(plain.get_parameter(name).full_tensor(), value, **FP32)
+    dist.barrier()
+
+
+def test_fsdp_with_tensor_parallel(tmp_path):
+    run_distributed(tensor_parallel_worker, 4, str(tmp_path))

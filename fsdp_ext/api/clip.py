@@ -2,8 +2,10 @@
 
 Each rank holds 1/shard_size of every gradient, so the global 2-norm is the square root of the sum,
 over the shard group, of each rank's local sum of squares; the inf-norm is the max of local maxima.
-Replicas (HSDP, NO_SHARD) hold identical shards and are not summed again. Every rank gets the same
-value, equal to torch.nn.utils.clip_grad_norm_ on the unwrapped model.
+Replicas (HSDP, NO_SHARD) hold identical shards and are not summed again; tensor-parallel shards
+are summed over their TP mesh too, TP-replicated gradients are not. Every rank gets the same value,
+equal to torch.nn.utils.clip_grad_norm_ on the unwrapped model (which, on DTensor gradients of one
+mesh, gives the same; torch's cannot mix the meshes of FSDP and FSDP x TP parameters).
 """
 from __future__ import annotations
 
@@ -18,19 +20,36 @@ from ..runtime.errors import NonFiniteGradientError
 from ..runtime.registry import units_of
 
 
-def _local_norm_terms(unit, norm_type: float) -> torch.Tensor:
-    """This rank's contribution for one unit: sum of |g|^p, or max |g| for p = inf (fp32), on the
-    unit's compute device: offloaded gradients live on the host, but the all-reduce (NCCL on a
-    GPU) takes tensors of the process group's device."""
-    grads = _local_grads([unit])
-    device = unit.groups.device
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, norm_type)
-    stacked = torch.stack([n.float() for n in norms])
-    if math.isinf(norm_type):
-        return stacked.max().to(device)
-    return (stacked ** norm_type).sum().to(device)
+def _reduction_groups(unit, slot) -> tuple:
+    """Over which process groups this rank's part of `slot`'s gradient must be summed: the shard
+    group, and a tensor-parallel mesh's group where TP shards the parameter too (a TP-replicated
+    parameter's gradient is the same on every TP rank: counted once)."""
+    groups = (unit.groups.shard,)
+    tp = slot.tp_spec
+    if tp is not None and any(p.is_shard() for p in tp.placements):
+        groups += (tp.mesh.get_group(),)
+    return groups
+
+
+def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.Tensor]]:
+    """This rank's contributions for one unit, per set of groups to reduce over: sum of |g|^p,
+    or max |g| for p = inf (fp32), on the unit's compute device: offloaded gradients live on the
+    host, but the all-reduce (NCCL on a GPU) takes tensors of the process group's device."""
+    by_groups: dict[tuple, tuple[tuple, list]] = {}
+    for bucket in unit.buckets:  # every parameter's key, gradient or not: the same on all ranks
+        for slot in bucket.slots:
+            groups = _reduction_groups(unit, slot)
+            grads = by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1]
+            if slot.param.grad is not None and dtensor_params.local_of(slot.param.grad).numel():
+                grads.append(dtensor_params.local_of(slot.param.grad))
+    terms = {}
+    for key, (groups, grads) in by_groups.items():
+        term = torch.zeros((), dtype=torch.float32, device=unit.groups.device)
+        if grads:
+            stacked = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
+            term = (stacked.max() if math.isinf(norm_type) else (stacked ** norm_type).sum())
+        terms[key] = (groups, term.to(unit.groups.device))
+    return terms
 
 
 def _local_grads(units) -> list[torch.Tensor]:
@@ -40,11 +59,10 @@ def _local_grads(units) -> list[torch.Tensor]:
     return [g for g in grads if g.numel()]
 
 
-def _reduce(value: torch.Tensor, group, norm_type: float) -> torch.Tensor:
-    if group is not None:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(value, op=op, group=group)
-    return value
+def _combine(a: torch.Tensor | None, b: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if a is None:
+        return b.clone()
+    return torch.maximum(a, b) if math.isinf(norm_type) else a + b
 
 
 @torch.no_grad()
@@ -59,26 +77,29 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     units = units_of(model)
     if not units:
         raise ValueError(f"{type(model).__name__} has no fully_shard units")
-    # Units normally share one shard group; sum per group so mixed groupings stay correct.
-    per_group: dict[int, tuple] = {}
-    per_unit: list[torch.Tensor] = []
+    # Units normally share one shard group; sum per set of groups so mixed groupings stay right.
+    totals: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+    per_unit: list[torch.Tensor | None] = []
     for unit in units:
-        term = _local_norm_terms(unit, norm_type)
-        per_unit.append(term)
-        key = id(unit.groups.shard)
-        group_total = per_group.get(key, (unit.groups.shard, None))[1]
-        if group_total is None:
-            group_total = term.clone()
-        elif math.isinf(norm_type):
-            group_total = torch.maximum(group_total, term)
-        else:
-            group_total = group_total + term
-        per_group[key] = (unit.groups.shard, group_total)
-    totals = [_reduce(total, group, norm_type) for group, total in per_group.values()]
-    if math.isinf(norm_type):
-        total_norm = torch.stack(totals).max()
+        unit_total = None
+        for key, (groups, term) in _local_norm_terms(unit, norm_type).items():
+            totals[key] = (groups, _combine(totals.get(key, (None, None))[1], term, norm_type))
+            unit_total = _combine(unit_total, term, norm_type)
+        per_unit.append(unit_total)
+    reduced = []
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for groups, total in sorted(totals.values(), key=lambda item: len(item[0])):
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(total, op=op, group=group)
+        reduced.append(total)
+    device = units[0].groups.device
+    if not reduced:
+        total_norm = torch.zeros((), dtype=torch.float32, device=device)
+    elif math.isinf(norm_type):
+        total_norm = torch.stack(reduced).max()
     else:
-        total_norm = torch.stack(totals).sum() ** (1.0 / norm_type)
+        total_norm = torch.stack(reduced).sum() ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise NonFiniteGradientError(_nonfinite_report(units, per_unit, norm_type, total_norm))
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
@@ -93,7 +114,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
 def _nonfinite_report(units, per_unit, norm_type, total_norm) -> str:
     """Name every unit whose gradient is not finite on some rank (all ranks agree on the list)."""
-    flags = torch.tensor([0.0 if torch.isfinite(t) else 1.0 for t in per_unit])
+    flags = torch.tensor([0.0 if t is None or torch.isfinite(t) else 1.0 for t in per_unit])
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad = [u.name or "<root>" for u, f in zip(units, flags.tolist()) if f]

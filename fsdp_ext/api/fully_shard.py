@@ -16,6 +16,7 @@ from ..runtime.offload import CPUOffloadPolicy
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.unit import Unit
 from ..state.hooks import install_state_dict_hooks
+from ..state.load_checks import load_problems
 from .clip import clip_grad_norm_
 
 
@@ -98,6 +99,15 @@ class FSDPModule:
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all sharded gradients under this module; returns the global norm (every rank)."""
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's, after a check of every key (strict) and global shape that raises before
+        anything is written: a failed load leaves the model as it was."""
+        problems = load_problems(self, state_dict, strict)
+        if problems:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
+                               + "\n\t".join(problems))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _apply(self, *args, **kwargs):
         """nn.Module._apply (`to_empty`, `to`, ...) gives the modules new parameter tensors: the

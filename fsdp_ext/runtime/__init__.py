@@ -3,8 +3,9 @@
 Owns: units and their hooks (unit.py), which parameters a unit owns and its buckets
 (param_buckets.py, bucket.py), where every element lives (layout.py), the DTensor parameters of
 fully_shard (dtensor_params.py), the all-gather of a bucket (gather.py), the execution order and
-prefetch (schedule.py), collectives and process groups (comm.py), streams and buffer lifetime (streams.py), the gradient
-path (grads.py, finite.py), the host block cache (storage_cache.py), CPU offload (offload.py),
+prefetch (schedule.py), collectives and process groups (comm.py), streams and buffer lifetime
+(streams.py), the gradient path (grads.py, finite.py), the host block cache (storage_cache.py),
+CPU offload (offload.py),
 mixed precision (mixed_precision.py), meta-device init (deferred_init.py), the collective
 fingerprints that run before each collective (fingerprints.py), the event recorder and profiler
 ranges the hooks write (trace.py), and the errors raised while training (errors.py).

@@ -30,8 +30,9 @@ class ParamSlot:
     param: nn.Parameter                        # what the modules hold while sharded
     fqn: str                                   # first name under the unit's module
     locations: list[tuple[nn.Module, str]]     # tied weights have several
-    shape: torch.Size                          # the parameter's global shape
+    shape: torch.Size                          # the shape sharded here (global, or TP-local)
     replaced: object = lambda: None            # weak reference to what `param` replaced, if any
+    tp_spec: object = None                     # a tensor-parallel DTensor's spec (its TP mesh)
 
     @property
     def numel(self) -> int:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .comm import subgroup
@@ -51,6 +52,29 @@ def spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), dtype)
     return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def spec_with_tp(dp_mesh: DeviceMesh, tp_spec: DTensorSpec) -> DTensorSpec:
+    """A tensor-parallel parameter (a DTensor on its TP mesh) sharded again along dim 0 of its
+    local tensor on `dp_mesh`: the (dp, tp) mesh with the dp placement first, as torch's fully_shard
+    builds it. Where TP itself shards dim 0, chunking TP's local rows is a strided shard of the
+    global rows."""
+    if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
+        raise NotImplementedError("fully_shard with tensor parallelism: 1-D data-parallel and TP "
+                                  f"meshes only (got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D)")
+    split = tp_spec.num_shards_map[0]
+    dp = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    return DTensorSpec(DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), (dp, *tp_spec.placements),
+                       tensor_meta=tp_spec.tensor_meta)
+
+
+def tp_view(local: torch.Tensor, tp_spec: DTensorSpec) -> DTensor:
+    """The gathered TP-local parameter as the DTensor the tensor-parallel module computes with;
+    differentiable, so that its gradient comes back as the local tensor's (reduced over the TP
+    mesh where the forward placement was Replicate)."""
+    meta = tp_spec.tensor_meta
+    return DTensor.from_local(local, tp_spec.mesh, tp_spec.placements, run_check=False,
+                              shape=meta.shape, stride=meta.stride)
 
 
 def make_param(local: torch.Tensor, sharding: DTensorSpec, requires_grad: bool) -> nn.Parameter:

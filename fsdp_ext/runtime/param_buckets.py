@@ -43,7 +43,8 @@ def build_buckets(module: nn.Module, groups: comm.Groups, layout: str, mesh,
             bucket_layout = rows_layout(shapes, world, rank, direct_min_numel)
         spec_of = None
         if layout == "rows" and mesh is not None:
-            specs = [dtensor_params.spec(mesh, s.shape, dtype) for s in bucket_slots]
+            specs = [dtensor_params.spec_with_tp(mesh, s.tp_spec) if s.tp_spec is not None
+                     else dtensor_params.spec(mesh, s.shape, dtype) for s in bucket_slots]
             spec_of = specs.__getitem__
         buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, spec_of))
     return buckets
@@ -61,7 +62,7 @@ def init_sharded_state(buckets: list[Bucket], device: torch.device, offload) -> 
             shard = host_empty(bucket.shard_numel, bucket.dtype, offload.pin_memory, device)
         else:
             shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
-        sources = [slot.param for slot in bucket.slots]
+        sources = [dtensor_params.local_of(slot.param) for slot in bucket.slots]
         if bucket.distributed:
             _replace_with_dtensors(bucket, shard)
         bucket.init_shard(shard, sources)
@@ -103,7 +104,11 @@ def _owned_slots(module: nn.Module, layout: str) -> list[ParamSlot]:
                     f"parameter '{fqn}' of {type(module).__name__} already belongs to the unit of "
                     f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
             _check_param(param, fqn, module, layout)
-            slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape)
+            if dtensor_params.is_dtensor(param):  # tensor parallel: shard its local tensor
+                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)],
+                                             param.to_local().shape, tp_spec=param._spec)
+            else:
+                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape)
         for name, child in reversed(list(mod._modules.items())):
             if child is None:
                 continue
@@ -127,10 +132,10 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
     where = f"parameter '{fqn}' of {type(module).__name__}"
     if not torch.is_floating_point(param) or param.dtype not in ops.checks.FLOAT_DTYPES:
         raise TypeError(f"{where} has dtype {param.dtype}; fsdp_ext shards fp32/bf16/fp16 only")
-    if dtensor_params.is_dtensor(param):
+    if dtensor_params.is_dtensor(param) and (layout != "rows" or param.device_mesh.ndim != 1):
         raise NotImplementedError(
-            f"{where} is already a DTensor (tensor parallelism, or another fully_shard): "
-            "sharding DTensor parameters again is not supported")
+            f"{where} is already a DTensor on a {param.device_mesh.ndim}-D mesh: fully_shard "
+            "shards tensor-parallel parameters of a 1-D TP mesh (FullyShardedDataParallel none)")
     if layout == "rows" and param.dim() == 0:
         raise NotImplementedError(
             f"{where} is 0-dimensional: fully_shard shards parameters along dim 0 (Shard(0)); "

@@ -326,8 +326,11 @@ class Unit:
                 views[id(slot)] = view
         for bucket in self.buckets:
             for slot in bucket.slots:
+                view = views[id(slot)]
+                if slot.tp_spec is not None:  # tensor parallel: the module computes with DTensors
+                    view = dtensor_params.tp_view(view, slot.tp_spec)
                 for module, attr in slot.locations:
-                    module._parameters[attr] = views[id(slot)]
+                    module._parameters[attr] = view
 
     def _no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """(module, attribute, view of the gathered buffer) for every parameter, made once under
@@ -335,7 +338,8 @@ class Unit:
         if self._no_grad_view_cache is None:
             with torch.no_grad():
                 self._no_grad_view_cache = [
-                    (module, attr, view)
+                    (module, attr, view if slot.tp_spec is None
+                     else dtensor_params.tp_view(view, slot.tp_spec))
                     for bucket, full in zip(self.buckets, self.full)
                     for slot, view in zip(bucket.slots, bucket.full_views(full))
                     for module, attr in slot.locations]

@@ -61,6 +61,10 @@ def _local_part(bucket, index: int, value, key: str) -> torch.Tensor:
     layout) for parameter `index`, flattened."""
     slot = bucket.slots[index]
     start, end = local_param_range(bucket, index)
+    if slot.tp_spec is not None:
+        raise ValueError(f"{key}: a tensor-parallel parameter loads from a DTensor state dict "
+                         "(model.state_dict(), DCP) or torch's set_model_state_dict, not from "
+                         f"a {type(value).__name__}")
     if isinstance(value, ShardedTensor):
         size = list(value.metadata().size)  # (not .size(): ShardedTensor's tensor ops warn)
         if bucket.layout.kind != "flat" or size != [slot.numel]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import gather
+from ..runtime import dtensor_params, gather
 from ..runtime.registry import unit_of, units_of
 from .sharded_tensor import flat_sharded_tensor
 
@@ -119,6 +119,8 @@ def _fill_full(unit, state_dict: dict, prefix: str, settings: StateDictSettings)
         for bucket in unit.buckets:
             tensors = gather_bucket_params(unit, bucket)  # every rank takes part
             for slot, tensor in zip(bucket.slots, tensors):
+                if slot.tp_spec is not None:  # gathered over data parallel: TP's local tensor
+                    tensor = dtensor_params.tp_view(tensor, slot.tp_spec).full_tensor()
                 tensor = tensor.cpu() if settings.cpu_offload and keep else tensor
                 for key in keys[id(slot)]:
                     if prefix + key in state_dict:

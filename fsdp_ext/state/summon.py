@@ -24,6 +24,10 @@ def summon_full_params(model: nn.Module, writeback: bool = True):
         for unit in units_of(model):
             unit.wait_unshard()
             for bucket in unit.buckets:
+                if any(slot.tp_spec is not None for slot in bucket.slots):
+                    raise NotImplementedError(
+                        f"summon_full_params: unit '{unit.name or '<root>'}' holds tensor-parallel "
+                        "parameters; use DTensor.full_tensor() on them instead")
                 tensors = gather_bucket_params(unit, bucket)
                 for slot, tensor in zip(bucket.slots, tensors):
                     if bucket.distributed:  # a DTensor parameter cannot take a full tensor's data
