@@ -9,21 +9,28 @@ Layers, each a subpackage that imports only those below it (tests/test_layering.
     runtime      units, buckets, schedule and prefetch, collectives, gradient path
     ops          the kernels' entry points (C++ / CUDA / Triton / torch reference)
 """
-# torch's own state-dict type and configs, accepted as they are by state_dict_type()
-from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+# torch's own option types, enums and policies, exported as they are: a script passes the same
+# objects whichever package it imports them from (fsdp_ext/api/options.py reads them)
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy,
+                                    FullOptimStateDictConfig, FullStateDictConfig,
+                                    LocalOptimStateDictConfig, LocalStateDictConfig, MixedPrecision,
+                                    MixedPrecisionPolicy, OffloadPolicy, OptimStateKeyType,
+                                    ShardedOptimStateDictConfig, ShardedStateDictConfig,
+                                    ShardingStrategy, StateDictSettings, StateDictType)
+from torch.distributed.fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, always_wrap_policy,
+                                         lambda_auto_wrap_policy, size_based_auto_wrap_policy,
+                                         transformer_auto_wrap_policy)
 
 from .api.clip import clip_grad_norm_
 from .api.fsdp1 import FullyShardedDataParallel
-from .api.fsdp1_config import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .api.fully_shard import FSDPModule, fully_shard
-from .api.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from .api.fsdp_module import (FSDPModule, UnshardHandle, register_fsdp_forward_method,
+                              share_comm_ctx)
+from .api.fully_shard import fully_shard
 from .diagnostics.describe import describe
 from .diagnostics.memory import memory_report
 from .diagnostics.optim_check import check_optimizer
 from .planner.plan import plan
 from .runtime.errors import CollectiveError, CollectiveMismatchError, NonFiniteGradientError
-from .runtime.mixed_precision import MixedPrecisionPolicy
-from .runtime.offload import CPUOffloadPolicy
 from .runtime.storage_cache import empty_cache
 from .shutdown import exit_without_finalization, run_then_exit
 from .state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -36,11 +43,15 @@ from .state.summon import summon_full_params
 
 __all__ = [
     # FSDP2 style
-    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
+    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+    "share_comm_ctx", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
     # FSDP1 style
     "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
-    "ModuleWrapPolicy", "size_based_auto_wrap_policy",
-    "FullStateDictConfig", "ShardedStateDictConfig", "StateDictType",
+    "CPUOffload", "ModuleWrapPolicy", "CustomPolicy", "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy", "lambda_auto_wrap_policy", "always_wrap_policy",
+    "StateDictType", "StateDictSettings", "FullStateDictConfig", "ShardedStateDictConfig",
+    "LocalStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
+    "LocalOptimStateDictConfig", "OptimStateKeyType",
     # training loop
     "clip_grad_norm_", "summon_full_params",
     # state dicts and checkpoints

@@ -32,7 +32,8 @@ def torch_fsdp():
 def ours():
     return types.SimpleNamespace(name="fsdp_ext", fully_shard=fsdp_ext.fully_shard,
                                  MixedPrecisionPolicy=fsdp_ext.MixedPrecisionPolicy,
-                                 CPUOffloadPolicy=fsdp_ext.CPUOffloadPolicy, OffloadPolicy=None)
+                                 CPUOffloadPolicy=fsdp_ext.CPUOffloadPolicy,
+                                 OffloadPolicy=fsdp_ext.OffloadPolicy)
 
 
 def build(seed: int = 0, cfg: GPTConfig = CFG) -> GPT:

@@ -17,7 +17,19 @@ import fsdp_ext
 from fsdp_ext.state.checkpoint import quiet_sharded_tensor
 
 from .dist_utils import global_mean, local_slice
-from .parity import Case, build_model, compute_loss, make_batch, wrap
+from .parity import Case, build_model, compute_loss, make_batch
+from .parity import wrap as _wrap
+
+
+def wrap(case: Case, model, world_size: int):
+    """parity.wrap; FullyShardedDataParallel models set to SHARDED_STATE_DICT (torch's FSDP1
+    default is FULL_STATE_DICT, which check_state_dict_types covers), so that both APIs give their
+    sharded form here."""
+    wrapped = _wrap(case, model, world_size)
+    if case.api == "fsdp1":
+        fsdp_ext.FullyShardedDataParallel.set_state_dict_type(
+            wrapped, fsdp_ext.StateDictType.SHARDED_STATE_DICT)
+    return wrapped
 
 
 def _perturbed(name: str) -> torch.nn.Module:
@@ -139,7 +151,11 @@ def check_state_dict_types(world_size: int, rank: int) -> None:
     case = Case("gpt", "fsdp1", "FULL_SHARD")
     reference = build_model("gpt")
     expected = reference.state_dict()
-    model = wrap(case, copy.deepcopy(reference), world_size)
+    model = _wrap(case, copy.deepcopy(reference), world_size)
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())  # torch's default
+    settings = FSDP.get_state_dict_type(model)
+    assert settings.state_dict_type == StateDictType.FULL_STATE_DICT, settings
+    assert settings.optim_state_dict_config.offload_to_cpu, settings  # FullOptimStateDictConfig()
     config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
         sd = model.state_dict()
@@ -154,7 +170,12 @@ def check_state_dict_types(world_size: int, rank: int) -> None:
     assert all(torch.equal(sd[k], v) for k, v in expected.items())
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
         assert isinstance(model.state_dict()["wte.weight"], ShardedTensor)
-    assert isinstance(model.state_dict()["wte.weight"], ShardedTensor)  # back to the default
+    assert not isinstance(model.state_dict()["wte.weight"], ShardedTensor)  # back to FULL
+    previous = FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
+                                        ShardedStateDictConfig(offload_to_cpu=True))
+    assert previous.state_dict_type == StateDictType.FULL_STATE_DICT, previous
+    entry = model.state_dict()["wte.weight"]
+    assert isinstance(entry, ShardedTensor) and entry.local_shards()[0].tensor.device.type == "cpu"
     target = wrap(case, _perturbed("gpt"), world_size)
     fsdp_ext.load_full_state_dict(target, expected)
     assert_same_full(target, expected, "load_full_state_dict")

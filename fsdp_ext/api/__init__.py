@@ -1,8 +1,11 @@
 """The public entry points, with PyTorch's names and meaning.
 
-Owns: `fully_shard` and `FSDPModule` (FSDP2 style, fully_shard.py), `FullyShardedDataParallel`
-(FSDP1 style, fsdp1.py) and its option types (fsdp1_config.py), the auto-wrap policies (wrap.py),
-and `clip_grad_norm_` over sharded gradients (clip.py).
+Owns: `fully_shard` (fully_shard.py) and `FSDPModule` with torch's methods,
+`register_fsdp_forward_method`, `share_comm_ctx` (fsdp_module.py); `FullyShardedDataParallel`
+(FSDP1 style, fsdp1.py) with its state-dict settings and optimizer state-dict functions
+(fsdp1_state.py); the readers of torch's own option objects (options.py); auto-wrap (wrap.py);
+`clip_grad_norm_` over sharded gradients (clip.py); the table of torch's FSDP names and what
+fsdp_ext does with each (compat.py, docs/compat.md).
 
 May import: state, planner, diagnostics, runtime, ops. Nothing imports it but `fsdp_ext/__init__.py`.
 

@@ -2,7 +2,9 @@
 
 Unlike FSDP1, auto-wrapping does not replace submodules with wrapper objects: the selected
 submodules become units in place, so the model's structure, parameter names and state-dict keys stay
-exactly those of the unwrapped model (the wrapper itself adds no prefix).
+exactly those of the unwrapped model (the wrapper itself adds no prefix). Its arguments are torch's
+own option objects, read by meaning (options.py); its static methods are FSDP1's (fsdp1_state.py
+holds the optimizer state-dict family).
 """
 from __future__ import annotations
 
@@ -11,16 +13,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision,
+                                    StateDictSettings, StateDictType)
 
-from ..runtime.offload import CPUOffloadPolicy
-from ..runtime.registry import units_of
+from ..runtime.registry import unit_of, units_of
 from ..state import state_dict as _sd
-from ..state.load_optim_state_dict import to_local_optim_state_dict
-from ..state.optim_state_dict import optim_state_dict
 from ..state.summon import summon_full_params
+from . import fsdp1_state, options
 from .clip import clip_grad_norm_
-from .fsdp1_config import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .fully_shard import FSDPModule, shard_module
+from .fully_shard import shard_module
 from .wrap import apply_auto_wrap
 
 
@@ -36,21 +37,38 @@ def _hybrid_mesh(device_type: str):
     return init_device_mesh(device_type, (world // local, local), mesh_dim_names=("replicate", "shard"))
 
 
-class FullyShardedDataParallel(nn.Module):
-    """Drop-in for torch.distributed.fsdp.FullyShardedDataParallel (see docs/api.md for differences)."""
+def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, set]:
+    """(ignored modules, ignored parameters): FSDP1 leaves their parameters unsharded."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("pass ignored_modules or ignored_states, not both (as in torch)")
+    states = list(ignored_modules or ignored_states or ())
+    if any(isinstance(s, nn.Parameter) for s in states) and not all(
+            isinstance(s, nn.Parameter) for s in states):
+        raise ValueError("ignored_states must be all parameters or all modules")
+    modules = {m for s in states if isinstance(s, nn.Module) for m in s.modules()}
+    params = {p for s in states if isinstance(s, nn.Parameter) for p in [s]}
+    params |= {p for m in modules for p in m.parameters()}
+    if module in modules:
+        raise ValueError("the module given to FullyShardedDataParallel cannot be ignored")
+    return modules, params
 
-    def __init__(self, module: nn.Module, process_group=None,
-                 sharding_strategy: ShardingStrategy | None = None, cpu_offload=None,
-                 auto_wrap_policy=None,
+
+class FullyShardedDataParallel(nn.Module):
+    """Drop-in for torch.distributed.fsdp.FullyShardedDataParallel (see docs/compat.md)."""
+
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=None,
+                 cpu_offload: CPUOffload | None = None, auto_wrap_policy=None,
                  backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
                  mixed_precision: MixedPrecision | None = None, ignored_modules=None,
                  param_init_fn=None, device_id=None, sync_module_states: bool = False,
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
-                 use_orig_params: bool = True, ignored_states=None, device_mesh=None):
+                 use_orig_params: bool = False, ignored_states=None, device_mesh=None):
         super().__init__()
-        if ignored_modules or ignored_states:
-            raise NotImplementedError("ignored_modules / ignored_states are not supported")
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        strategy = options.sharding_strategy(sharding_strategy)
+        prefetch_at = options.backward_prefetch(backward_prefetch)
+        offload = options.cpu_offload(cpu_offload)
+        options.mixed_precision(mixed_precision, True)  # refuses what cannot be honoured, now
+        skipped_modules, skipped_params = _ignored(module, ignored_modules, ignored_states)
         if device_id is not None:
             device = torch.device(device_id) if not isinstance(device_id, int) else torch.device(
                 "cuda", device_id)
@@ -58,41 +76,91 @@ class FullyShardedDataParallel(nn.Module):
         devices = {p.device.type for p in module.parameters()} - {"meta"}
         device_type = devices.pop() if devices else ("cuda" if torch.cuda.is_available() else "cpu")
         mesh, group = device_mesh, process_group
-        if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        if strategy.hybrid:
             if mesh is None and not isinstance(group, tuple):
                 mesh = _hybrid_mesh(device_type)
-        elif strategy is ShardingStrategy.NO_SHARD:
+        elif not strategy.shard:
             group = (None, group or dist.group.WORLD)
         if sync_module_states:  # start every rank from rank 0's values, as FSDP1 does
             with torch.no_grad():
                 for tensor in list(module.parameters()) + list(module.buffers()):
-                    if not tensor.is_meta:
+                    if not tensor.is_meta and tensor not in skipped_params:
                         dist.broadcast(tensor.data, src=0)
-        mp = mixed_precision or MixedPrecision()
-        if mp.buffer_dtype is not None:
+        if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
             for buf in module.buffers():
                 if torch.is_floating_point(buf):
-                    buf.data = buf.data.to(mp.buffer_dtype)
-        reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        offload = CPUOffloadPolicy() if getattr(cpu_offload, "offload_params", False) else None
-        kwargs = dict(mesh=mesh, process_group=group, offload_policy=offload,
-                      param_init_fn=param_init_fn,
+                    buf.data = buf.data.to(mixed_precision.buffer_dtype)
+        common = dict(mesh=mesh, process_group=group, param_init_fn=param_init_fn,
+                      ignored_params=skipped_params,
                       forward_prefetch=1 if forward_prefetch else 0,
-                      backward_prefetch=0 if backward_prefetch is None else 1,
+                      backward_prefetch=0 if prefetch_at is None else 1,
                       limit_in_flight=limit_all_gathers)
+        root_kwargs = dict(sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
+                           mixed_precision=mixed_precision)
+
+        def shard_unit(unit_module: nn.Module, **overrides) -> nn.Module:
+            """One unit chosen by the auto-wrap policy, with its own overrides (CustomPolicy)."""
+            kwargs = {**root_kwargs, **overrides}
+            unit_strategy = options.sharding_strategy(kwargs.pop("sharding_strategy"))
+            unit_offload = options.cpu_offload(kwargs.pop("cpu_offload"))
+            mp = options.mixed_precision(kwargs.pop("mixed_precision"), False)
+            if kwargs:
+                raise NotImplementedError(
+                    f"auto_wrap_policy: per-module arguments {sorted(kwargs)} for "
+                    f"{type(unit_module).__name__} are not supported (sharding_strategy, "
+                    "cpu_offload and mixed_precision are)")
+            return shard_module(unit_module, layout="flat",
+                                reshard_after_forward=unit_strategy.reshard_after_forward,
+                                mp_policy=mp, offload_policy=unit_offload, **common)
+
         if auto_wrap_policy is not None:
-            apply_auto_wrap(module, auto_wrap_policy, lambda m: shard_module(
-                m, layout="flat", reshard_after_forward=reshard, mp_policy=mp.to_policy(False),
-                **kwargs))
-        shard_module(module, layout="flat", reshard_after_forward=None if reshard else False,
-                     mp_policy=mp.to_policy(True), **kwargs)
-        module._unit.options["backward_prefetch_at"] = (
-            "post" if backward_prefetch is BackwardPrefetch.BACKWARD_POST else "pre")
+            apply_auto_wrap(module, auto_wrap_policy, shard_unit, skipped_modules,
+                            skipped_params, root_kwargs)
+        shard_module(module, layout="flat",
+                     reshard_after_forward=None if strategy.reshard_after_forward else False,
+                     mp_policy=options.mixed_precision(mixed_precision, True),
+                     offload_policy=offload, **common)
+        module._unit.options["backward_prefetch_at"] = prefetch_at or "pre"
         self._fsdp_wrapped_module = module
+        # torch's FSDP1 defaults: full state dicts, the optimizer's moved to the CPU
+        fsdp1_state.set_type(module, StateDictType.FULL_STATE_DICT)
+        # FSDP1's public attributes
+        self.sharding_strategy = options._member(
+            sharding_strategy or options.ShardingStrategy.FULL_SHARD, options.ShardingStrategy,
+            "sharding_strategy")
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        groups = module._unit.groups
+        self.process_group = groups.shard if groups.shard is not None else (
+            groups.replicate or (dist.group.WORLD if dist.is_initialized() else None))
+        self.rank = dist.get_rank(self.process_group) if self.process_group is not None else 0
+        self.world_size = (dist.get_world_size(self.process_group)
+                           if self.process_group is not None else 1)
+        self.compute_device = groups.device
 
     @property
     def module(self) -> nn.Module:
         return self._fsdp_wrapped_module
+
+    @property
+    def params(self):
+        raise NotImplementedError(
+            "FullyShardedDataParallel.params lists FSDP1's FlatParameters; fsdp_ext keeps the "
+            "original parameters (their .data views this rank's shard): use .parameters()")
+
+    @property
+    def training_state(self):
+        from torch.distributed.fsdp._common_utils import TrainingState
+        unit = self._fsdp_wrapped_module._unit
+        if unit.summoned:
+            return TrainingState.SUMMON_FULL_PARAMS
+        schedule = unit.schedule
+        if schedule is not None and (schedule.in_forward or schedule._backward_queued):
+            return TrainingState.FORWARD_BACKWARD
+        return TrainingState.IDLE
 
     def forward(self, *args, **kwargs):
         return self._fsdp_wrapped_module(*args, **kwargs)
@@ -116,59 +184,119 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(self, *args, **kwargs):
         return self._fsdp_wrapped_module.load_state_dict(*args, **kwargs)
 
+    def check_is_root(self) -> bool:
+        unit = self._fsdp_wrapped_module._unit
+        if unit.schedule is not None and not unit.schedule.standalone:
+            return unit.is_root
+        return True  # the outermost wrapper becomes the root at its first forward
+
+    def apply(self, fn):
+        """nn.Module.apply with the full parameters in place (edits are kept), as FSDP1's."""
+        with summon_full_params(self._fsdp_wrapped_module, writeback=True):
+            return super().apply(fn)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all sharded gradients; returns the true global norm, the same on every rank."""
         return clip_grad_norm_(self._fsdp_wrapped_module, max_norm, norm_type, error_if_nonfinite)
 
-    @staticmethod
-    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
-                           **unused):
-        """Full parameters in place inside the block (see fsdp_ext.summon_full_params)."""
-        target = module._fsdp_wrapped_module if isinstance(module, FullyShardedDataParallel) else module
-        return summon_full_params(target, writeback=writeback)
-
-    # ---- state dicts (torch's StateDictType and configs are accepted as they are) ----------------
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
-                        optim_state_dict_config=None):
-        """Inside the block, `module.state_dict()` (and optim_state_dict) return this type."""
-        with _sd.state_dict_settings(
-                _unwrap(module), _sd.settings_for(state_dict_type, state_dict_config),
-                _sd.settings_for(state_dict_type, optim_state_dict_config)):
-            yield
-
-    @staticmethod
-    def set_state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
-                            optim_state_dict_config=None) -> None:
-        _sd.set_state_dict_settings(
-            _unwrap(module), _sd.settings_for(state_dict_type, state_dict_config),
-            _sd.settings_for(state_dict_type, optim_state_dict_config))
-
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, **unused) -> dict:
-        """Name-keyed optimizer state, full or sharded as set by state_dict_type (default sharded)."""
-        units = units_of(_unwrap(model))
-        settings = _sd.optim_settings_of(units[0]) if units else _sd.StateDictSettings()
-        return optim_state_dict(_unwrap(model), optim, full=settings.full,
-                                rank0_only=settings.rank0_only, cpu_offload=settings.cpu_offload)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
-                                 optim_state_dict: dict, **unused) -> dict:
-        """The name-keyed dict as this rank's `optim.load_state_dict` input (full or sharded)."""
-        return to_local_optim_state_dict(_unwrap(model), optim, optim_state_dict)
-
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (unsharded) and skip communication inside the block."""
-        root: FSDPModule = self._fsdp_wrapped_module
+        root = self._fsdp_wrapped_module
         root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             root.set_requires_gradient_sync(True)
+
+    def register_comm_hook(self, state: object, hook: callable) -> None:
+        raise NotImplementedError(
+            "register_comm_hook: fsdp_ext reduces gradients with its own fused pack / reduce-"
+            "scatter / epilogue kernels and takes no FSDP1 communication hooks; "
+            "set_all_reduce_hook on a fully_shard module can post-process reduced gradients")
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
+        """The sharded modules under `module` (the wrapper stands for its wrapped module)."""
+        found, seen = [], set()
+        for sub in module.modules():
+            target = sub._fsdp_wrapped_module if isinstance(sub, FullyShardedDataParallel) else sub
+            unit = unit_of(target)
+            if unit is None or id(unit) in seen:
+                continue
+            seen.add(id(unit))
+            found.append(sub)
+        if root_only:
+            inner = {id(u) for m in found for u in units_of(_unwrap(m)) if u is not unit_of(_unwrap(m))}
+            found = [m for m in found if id(unit_of(_unwrap(m))) not in inner]
+        return found
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False):
+        """Full parameters in place inside the block (see fsdp_ext.summon_full_params)."""
+        return summon_full_params(_unwrap(module), recurse=recurse, writeback=writeback,
+                                  rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
+                                  with_grads=with_grads)
+
+    # ---- state dicts: torch's StateDictType and configs, as they are ----------------------------------
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Inside the block, `module.state_dict()` (and optim_state_dict) return this type."""
+        previous = fsdp1_state.set_type(_unwrap(module), state_dict_type, state_dict_config,
+                                        optim_state_dict_config)
+        try:
+            yield
+        finally:
+            fsdp1_state.set_type(_unwrap(module), previous.state_dict_type,
+                                 previous.state_dict_config, previous.optim_state_dict_config)
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                            state_dict_config=None, optim_state_dict_config=None) -> StateDictSettings:
+        return fsdp1_state.set_type(_unwrap(module), state_dict_type, state_dict_config,
+                                    optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        return fsdp1_state.get_type(_unwrap(module))
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: dict | None = None, group=None) -> dict:
+        """Name-keyed optimizer state, full or sharded as set by state_dict_type."""
+        fsdp1_state.refuse_group(group, "optim_state_dict")
+        if optim_state_dict is not None:
+            raise NotImplementedError(
+                "optim_state_dict(optim_state_dict=...): fsdp_ext reads the optimizer's own state; "
+                "call it without that argument")
+        return fsdp1_state.optim_state_dict(_unwrap(model), optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                                 optim_state_dict: dict, is_named_optimizer: bool = False,
+                                 load_directly: bool = False, group=None) -> dict:
+        """The name-keyed dict as this rank's `optim.load_state_dict` input (loaded into `optim`
+        too with load_directly=True)."""
+        fsdp1_state.refuse_group(group, "optim_state_dict_to_load")
+        if is_named_optimizer:
+            raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True): "
+                                      "torchrec's named optimizers are not supported")
+        result = fsdp1_state.to_load(_unwrap(model), optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    full_optim_state_dict = staticmethod(fsdp1_state.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(fsdp1_state.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(fsdp1_state.shard_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(fsdp1_state.flatten_sharded_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(fsdp1_state.scatter_full_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(fsdp1_state.rekey_optim_state_dict)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -1,5 +1,5 @@
-"""The public entry points, with PyTorch's names and meaning: `fully_shard` (FSDP2 style) and
-`FullyShardedDataParallel` (FSDP1 style)."""
+"""`fully_shard` (FSDP2 style), and `shard_module`, the work behind it and behind
+`FullyShardedDataParallel` (FSDP1 style, fsdp1.py)."""
 from __future__ import annotations
 
 import os
@@ -11,13 +11,14 @@ from torch.distributed.tensor import Shard
 
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..runtime import comm
-from ..runtime.mixed_precision import MixedPrecisionPolicy
-from ..runtime.offload import CPUOffloadPolicy
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.unit import Unit
 from ..state.hooks import install_state_dict_hooks
-from ..state.load_checks import load_problems
-from .clip import clip_grad_norm_
+from . import options
+from .fsdp_module import FSDPModule
+from .options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+_FSDP_CLASSES: dict[type, type] = {}  # one FSDP<Orig> class per original class, as torch keeps
 
 
 def _device_for(module: nn.Module, mesh_device_type: str | None, offload: bool) -> torch.device:
@@ -68,71 +69,12 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
     return groups
 
 
-class FSDPModule:
-    """Mixed into every module passed to `fully_shard` (the module's class becomes a subclass)."""
-
-    @property
-    def _unit(self) -> Unit:
-        return self.__dict__[UNIT_ATTR]
-
-    def unshard(self, async_op: bool = False) -> None:
-        self._unit.unshard(async_op)
-        if not async_op:
-            self._unit.wait_unshard()
-
-    def reshard(self) -> None:
-        self._unit.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        modules = self.modules() if recurse else [self]
-        for module in modules:
-            if (unit := unit_of(module)) is not None:
-                unit.requires_gradient_sync = requires_gradient_sync
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        modules = self.modules() if recurse else [self]
-        for module in modules:
-            if (unit := unit_of(module)) is not None:
-                unit.reshard_after_forward = reshard_after_forward
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip all sharded gradients under this module; returns the global norm (every rank)."""
-        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """nn.Module's, after a check of every key (strict) and global shape that raises before
-        anything is written: a failed load leaves the model as it was."""
-        problems = load_problems(self, state_dict, strict)
-        if problems:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
-                               + "\n\t".join(problems))
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def _apply(self, *args, **kwargs):
-        """nn.Module._apply (`to_empty`, `to`, ...) gives the modules new parameter tensors: the
-        unit copies them into its shard (allocating it if it was on meta) and points them back."""
-        self._unit.reshard()
-        result = super()._apply(*args, **kwargs)
-        self._unit.adopt_params()
-        return result
-
-    def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
-        """Prefetch depth for this root's schedule (fsdp_ext extension; default 1 and 1)."""
-        if forward is not None:
-            self._unit.options["forward_prefetch"] = forward
-        if backward is not None:
-            self._unit.options["backward_prefetch"] = backward
-        if self._unit.schedule is not None:
-            self._unit.schedule.options.update(self._unit.options)
-
-
-def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
-                reshard_after_forward: bool | int | None = None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: CPUOffloadPolicy | None = None, shard_placement_fn=None,
-                param_init_fn=None, forward_prefetch: int = 1, backward_prefetch: int = 1,
-                limit_in_flight: bool = True, collective_timeout: float | None = None,
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
+                shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None,
+                dp_mesh_dims=None, process_group=None, param_init_fn=None,
+                forward_prefetch: int = 1, backward_prefetch: int = 1, limit_in_flight: bool = True,
+                collective_timeout: float | None = None,
                 check_finite_grads: bool | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
 
@@ -149,10 +91,14 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
         reshard_after_forward: True frees parameters after forward and regathers them in backward;
             False keeps them (ZeRO-2); an int k keeps 1/k of them and regathers from k ranks.
             None (default): True, except for the root, whose parameters backward needs first.
-        mp_policy: mixed precision (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
-        offload_policy: CPUOffloadPolicy() keeps shards, gradients and optimizer state on the host.
+        mp_policy: torch's MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype,
+            cast_forward_inputs).
+        offload_policy: torch's OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...): shards,
+            gradients and optimizer state on the host.
         shard_placement_fn: torch's hook choosing a parameter's placement; Shard(0) (or None)
             is honoured, any other placement is refused naming the parameter.
+        ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
+        dp_mesh_dims: torch's SPMD-mesh option; refused (give the data-parallel sub-mesh).
         param_init_fn: fsdp_ext extension for modules built on the meta device: called on each
             module of the unit once its parameters have storage. Without it, parameters on meta
             stay there until `model.to_empty(device=...)`, as with torch's fully_shard.
@@ -165,11 +111,20 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None,
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard([m1, m2, ...]): a list of modules as one unit is not implemented; apply "
+            "fully_shard to their common parent, or to each of them")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...): pass the data-parallel sub-mesh as `mesh` instead "
+            "(mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
     _check_placements(module, shard_placement_fn)
     return shard_module(
         module, layout="rows", mesh=mesh, process_group=process_group,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-        offload_policy=offload_policy, param_init_fn=param_init_fn,
+        reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy(mp_policy),
+        offload_policy=options.offload_policy(offload_policy), ignored_params=ignored_params,
+        param_init_fn=param_init_fn,
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
         limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
         check_finite_grads=check_finite_grads)
@@ -191,14 +146,16 @@ def _check_placements(module: nn.Module, shard_placement_fn) -> None:
 def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=None,
                  reshard_after_forward: bool | int | None = None,
                  mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                 offload_policy: CPUOffloadPolicy | None = None, param_init_fn=None,
+                 offload_policy: CPUOffloadPolicy | None = None, ignored_params=None,
+                 param_init_fn=None,
                  forward_prefetch: int = 1, backward_prefetch: int = 1,
                  limit_in_flight: bool = True, collective_timeout: float | None = None,
                  check_finite_grads: bool | None = None,
                  direct_min_numel: int | None = None) -> nn.Module:
     """fully_shard's work, for both public APIs: `layout` "rows" (fully_shard: DTensor
-    parameters) or "flat" (FullyShardedDataParallel: FSDP1's flat views). `direct_min_numel`
-    (rows: which parameters are gathered directly, runtime/layout.py) is for benchmarks."""
+    parameters) or "flat" (FullyShardedDataParallel: FSDP1's flat views); the option objects are
+    already read (api/options.py). `direct_min_numel` (rows: which parameters are gathered
+    directly, runtime/layout.py) is for benchmarks."""
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
     for name, sub in module.named_modules():
@@ -221,14 +178,17 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
         reshard_after_forward = reshard_after_forward > 1
     if check_finite_grads is None:
         check_finite_grads = os.environ.get("FSDP_EXT_CHECK_FINITE_GRADS", "0") not in ("", "0")
-    options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-                   limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
-                   check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
-    unit = Unit(module, groups, mp_policy, reshard_after_forward, options, offload_policy,
-                param_init_fn, layout=layout, mesh=mesh)
+    unit_options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+                        limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
+                        check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
+    unit = Unit(module, groups, mp_policy, reshard_after_forward, unit_options, offload_policy,
+                param_init_fn, layout=layout, mesh=mesh,
+                ignored_params={id(p) for p in ignored_params or ()})
     module.__dict__[UNIT_ATTR] = unit
     install_state_dict_hooks(module)
     cls = module.__class__
     if not isinstance(module, FSDPModule):
-        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        if cls not in _FSDP_CLASSES:
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _FSDP_CLASSES[cls]
     return module

@@ -71,6 +71,13 @@ class Groups:
     replicate: dist.ProcessGroup | None = None
     post_forward: dist.ProcessGroup | None = None
     post_forward_size: int = 1
+    # set_separate_reduce_scatter_group: a second group over the shard ranks for the gradient
+    # reductions, so they do not queue behind all-gathers on one communicator
+    separate_reduce_scatter: dist.ProcessGroup | None = None
+
+    @property
+    def reduce_scatter(self) -> dist.ProcessGroup | None:
+        return self.separate_reduce_scatter or self.shard
 
     @property
     def shard_size(self) -> int:
@@ -121,6 +128,16 @@ def issue_thread_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | N
         found = _ISSUE_GROUP_BY_GROUP[group] = _group_once(
             _ISSUE_GROUP_CACHE, dist.get_process_group_ranks(group))
     return found
+
+
+_SEPARATE_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
+
+
+def separate_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """Another process group over `group`'s ranks (one per rank set), for the reductions."""
+    if group is None:
+        return None
+    return _group_once(_SEPARATE_GROUP_CACHE, dist.get_process_group_ranks(group))
 
 
 def post_forward_group(shard: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup | None:
@@ -203,13 +220,15 @@ class Streams:
             self.all_gather = streams.new_stream(device, priority=-1, name="all_gather")
             self.reduce_scatter = streams.new_stream(device, priority=-1, name="reduce_scatter")
 
-    def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor], label: str = "") -> Pending:
+    def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor], label: str = "",
+               after_event=None) -> Pending:
         """Run `fn(async_op) -> list of work handles` as collectives in flight; return their record.
 
         With side streams `fn` runs on the side stream (allocations included) after that stream
         waited for the compute stream, so it sees every earlier write and may reuse memory freed
         before this call. `keep_alive` holds whatever `fn` reads or writes that another stream
-        allocated, until the record is waited on.
+        allocated, until the record is waited on. `after_event` (FSDPModule.set_post_optim_event):
+        the side stream waits for that event instead of the whole compute stream.
         """
         if not self.side:
             try:
@@ -218,7 +237,10 @@ class Streams:
                 raise CollectiveError(f"rank {dist.get_rank()}: {label} failed: {exc}") from exc
             return Pending(works=works, keep_alive=keep_alive, label=label, timeout=self.timeout)
         stream = getattr(self, stream_name)
-        streams.wait_stream(stream, streams.current_stream(self.device))
+        if after_event is not None:
+            streams.wait_event(stream, after_event)
+        else:
+            streams.wait_stream(stream, streams.current_stream(self.device))
         with streams.use_stream(stream):
             streams.inject_delay(stream)
             fn(False)

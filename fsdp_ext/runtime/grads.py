@@ -32,6 +32,9 @@ class BucketGrads:
     unsharded_accumulator: torch.Tensor | None = None   # [W * S] reduce dtype, no_sync
     used: list[bool] = field(default_factory=list)      # got a gradient since the last sync
     nonfinite: torch.Tensor | None = None                # check_finite_grads: flags since sync
+    # HSDP under set_requires_all_reduce(False): the reduce-scattered (not yet all-reduced) sum
+    # per gather group, added to the next reduction that all-reduces (as torch's FSDP2 does)
+    partial_reduce: list[torch.Tensor] | None = None
 
 
 def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
@@ -65,7 +68,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     used = [g is not None for g in grads]
     state.used = [a or b for a, b in zip(state.used, used)] if state.used else used
     reduce_dtype = unit.mp.reduce_dtype or unit.full[index].dtype
-    pre, post = divide_factors(groups.data_parallel_size)
+    pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
     device = unit.full[index].device
     if unit.options.get("check_finite_grads"):  # off by default: no cost beyond this lookup
         state.nonfinite = finite.merge_flags(state.nonfinite, grads, device)
@@ -81,7 +84,10 @@ def reduce_bucket(unit, index: int, grads) -> None:
     result = {}
     accumulator, state.unsharded_accumulator = state.unsharded_accumulator, None
     side = unit.schedule.streams.side
-    offload_on_stream = side and unit.offload is not None
+    all_reduce = groups.replicate is not None and unit.requires_all_reduce
+    partial, state.partial_reduce = state.partial_reduce, None
+    keep_partial = groups.replicate is not None and not unit.requires_all_reduce
+    offload_on_stream = side and unit.offload is not None and not keep_partial
 
     def collectives(async_op: bool) -> list:
         with profiler_range("pack_grads", unit.name):
@@ -91,8 +97,13 @@ def reduce_bucket(unit, index: int, grads) -> None:
         # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
         # blocking reduce-scatter and an asynchronous all-reduce.
         pieces, works = comm.reduce_scatter_groups(
-            flat, bucket.layout, groups.shard, async_op and groups.replicate is None)
-        if groups.replicate is not None:
+            flat, bucket.layout, groups.reduce_scatter, async_op and groups.replicate is None)
+        if partial is not None:  # on the collective's stream, after the reduce-scatter
+            for piece, earlier in zip(pieces, partial):
+                piece.add_(earlier)
+        if keep_partial:  # its own copy: the packed buffer is recycled
+            result["partial"] = [p.clone() for p in pieces]
+        elif all_reduce:
             works = [comm.all_reduce_sum(p, groups.replicate, async_op) for p in pieces]
         if offload_on_stream:  # queued after the collective on this stream; the host waits for it
             pieces = [copy_to_host(p) for p in pieces]
@@ -101,7 +112,9 @@ def reduce_bucket(unit, index: int, grads) -> None:
 
     checker = unit.schedule.checker
     checker.check(groups.shard, "reduce_scatter", unit.name, index, flat_numel(bucket), reduce_dtype)
-    checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel, reduce_dtype)
+    if all_reduce:
+        checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel,
+                      reduce_dtype)
     unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
     with profiler_range("reduce_scatter", unit.name):
@@ -113,7 +126,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     # accumulator it reads (allocated by the compute stream) are held until the compute stream has
     # waited for it (streams.py). Without, the pack already ran, and dropping the gradients now
     # frees a unit's gradients per pending reduce-scatter.
-    kept = [*grads, accumulator] if side else []
+    kept = [*grads, accumulator, *(partial or ())] if side else []
     pending.keep_alive.extend([result["flat"], *(t for t in kept if t is not None)])
     used_now, state.used = state.used, []
     nonfinite, state.nonfinite = state.nonfinite, None
@@ -123,14 +136,21 @@ def reduce_bucket(unit, index: int, grads) -> None:
             pending.wait(host=offload_on_stream)  # the host epilogue reads the copy to the host
         if nonfinite is not None:
             finite.raise_if_nonfinite(unit, index, nonfinite)
-        pieces = result["pieces"]
+        if keep_partial:  # HSDP, all-reduce deferred: nothing reaches .grad yet
+            state.partial_reduce = result["partial"]
+            storage_cache.recycle(result["flat"])
+            result.clear()
+            return
+        pieces, divisor = result["pieces"], post
+        if unit.all_reduce_hook is not None:
+            pieces, divisor = _run_all_reduce_hook(unit.all_reduce_hook, pieces, post, reduce_dtype)
         if unit.offload is not None and not side:
             pieces = [to_host(p) for p in pieces]
         accumulate = bucket.sync_param_grads_into_buffer()
         with profiler_range("grad_epilogue", unit.name):
             for g, piece in zip(bucket.layout.groups, pieces):
                 ops.grad_epilogue(piece, bucket.grad_shard.narrow(0, g.shard_offset, g.shard_numel),
-                                  1.0 / post, accumulate)
+                                  1.0 / divisor, accumulate)
         storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
         result.clear()  # the packed buffer can go now, not when this closure is dropped
         for i, (slot, view, was_used) in enumerate(zip(bucket.slots, bucket.grad_views, used_now)):
@@ -141,6 +161,21 @@ def reduce_bucket(unit, index: int, grads) -> None:
 
     finish.pending = pending  # what Schedule.abandon_backward waits for without applying
     unit.schedule.add_pending_reduce_scatter(finish)
+
+
+def _run_all_reduce_hook(hook, pieces: list[torch.Tensor], post: float,
+                         reduce_dtype: torch.dtype) -> tuple[list[torch.Tensor], float]:
+    """FSDPModule.set_all_reduce_hook: `hook(reduce_output)` on this rank's reduced shard, one
+    contiguous tensor in the reduce dtype, which the hook may change in place. As in torch's FSDP2
+    the hook sees the averaged gradient, except with an fp16 reduction, where the sum is divided
+    half before and half after (torch likewise), and the hook sees it between the two."""
+    output = torch.cat(pieces) if len(pieces) != 1 else pieces[0].clone()
+    divisor = post
+    if reduce_dtype != torch.float16:
+        output.div_(post)
+        divisor = 1.0
+    hook(output)
+    return list(output.split([p.numel() for p in pieces])), divisor
 
 
 def flat_numel(bucket: Bucket) -> int:

@@ -12,18 +12,10 @@ reduction was waited for), so the same code path runs, and is tested, on machine
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy  # noqa: F401  (torch's; pin_memory is read)
 
 from . import streams
-
-
-@dataclass(frozen=True)
-class CPUOffloadPolicy:
-    """FSDP2-style offload policy. pin_memory: page-lock host shards for async copies."""
-
-    pin_memory: bool = True
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin_memory: bool, device: torch.device) -> torch.Tensor:

@@ -24,10 +24,11 @@ OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's 
 
 
 def build_buckets(module: nn.Module, groups: comm.Groups, layout: str, mesh,
-                  direct_min_numel: int) -> list[Bucket]:
-    """Group the parameters this unit owns (not those of child units) by (dtype, requires_grad)
-    and lay each group out ("flat" or "rows"; with a `mesh`, rows are DTensors on it)."""
-    slots = _owned_slots(module, layout)
+                  direct_min_numel: int, ignored: set[int] = frozenset()) -> list[Bucket]:
+    """Group the parameters this unit owns (not those of child units, nor the `ignored` ids) by
+    (dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`, rows are
+    DTensors on it)."""
+    slots = _owned_slots(module, layout, ignored)
     by_key: dict[tuple, list[ParamSlot]] = {}
     for slot in slots:  # visit order: a module's own parameters, then its children's
         by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
@@ -81,14 +82,14 @@ def _replace_with_dtensors(bucket: Bucket, shard: torch.Tensor) -> None:
         slot.param = param
 
 
-def _owned_slots(module: nn.Module, layout: str) -> list[ParamSlot]:
+def _owned_slots(module: nn.Module, layout: str, ignored: set[int]) -> list[ParamSlot]:
     slots: dict[int, ParamSlot] = {}
     child_owner: dict[int, str] = {}
     stack = [(module, "")]
     while stack:
         mod, prefix = stack.pop()
         for attr, param in mod._parameters.items():
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             fqn = prefix + attr
             if id(param) in child_owner:

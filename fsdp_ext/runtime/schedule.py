@@ -36,7 +36,11 @@ class Schedule:
         self.units = units
         self.options = {**DEFAULT_OPTIONS, **root.options}
         timeout = comm.collective_timeout(self.options.get("collective_timeout"))
-        self.streams = comm.Streams(root.groups.device, timeout)
+        shared = self.options.get("comm_ctx")  # share_comm_ctx: roots that share their streams
+        if shared is not None:
+            self.streams = shared.setdefault("streams", comm.Streams(root.groups.device, timeout))
+        else:
+            self.streams = comm.Streams(root.groups.device, timeout)
         self.checker = CollectiveChecker(root.groups.device, timeout=timeout)
         self.forward_order: list[Unit] = []
         self._position: dict[Unit, int] = {}   # unit -> index in forward_order (prefetch lookups)
@@ -54,6 +58,18 @@ class Schedule:
         # emptied when that backward ends. Still there at the next root forward: that backward
         # never ran, and their gathered values may be stale (the shards may have changed since).
         self.kept_for_backward: list[Unit] = []
+        self.standalone = False           # made by unshard() before any forward (create_standalone)
+        self.is_last_backward = True      # set_is_last_backward(False): leave reductions pending
+        self.post_optim_event = None      # set_post_optim_event: what the next all-gather waits on
+
+    @classmethod
+    def create_standalone(cls, unit: Unit) -> "Schedule":
+        """A schedule of `unit` alone, for an explicit unshard() before any forward: the root's
+        schedule replaces it at the first forward."""
+        schedule = cls(unit, [unit])
+        schedule.standalone = True
+        unit.schedule = schedule
+        return schedule
 
     @classmethod
     def create(cls, root: Unit) -> "Schedule":
@@ -62,7 +78,7 @@ class Schedule:
             unit = unit_of(module)
             if unit is None:
                 continue
-            if unit.schedule is not None:
+            if unit.schedule is not None and not unit.schedule.standalone:
                 raise RuntimeError(
                     f"unit '{name}' already ran forward under another root; apply fully_shard "
                     "to every submodule before the first forward of the model")
@@ -89,6 +105,8 @@ class Schedule:
             for bucket in unit.buckets:
                 bucket.release_grad_shard_if_unused()
         self.checker.next_iteration()
+        if not self.streams.side:
+            self.post_optim_event = None  # no stream to order: the optimizer step already ended
         self._recording = {}
         self.in_forward = True
 
@@ -111,6 +129,9 @@ class Schedule:
         return bool(self.forward_order) and self.forward_order[-1] is unit
 
     def prefetch_forward(self, unit: Unit) -> None:
+        if unit.forward_prefetch_units is not None:  # set_modules_to_forward_prefetch
+            self._prefetch(unit.forward_prefetch_units, explicit=True)
+            return
         depth = self.options["forward_prefetch"]
         index = self._position.get(unit)
         if depth > 0 and index is not None:
@@ -126,10 +147,16 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def prefetch_backward(self, unit: Unit, moment: str) -> None:
+        if unit.backward_prefetch_units is not None:  # set_modules_to_backward_prefetch
+            if moment == "pre":
+                self._prefetch([u for u in unit.backward_prefetch_units if u.unshard_in_backward],
+                               explicit=True)
+            return
         depth = self.options["backward_prefetch"]
         index = self._position.get(unit)
         if self.options["backward_prefetch_at"] == moment and depth > 0 and index is not None:
-            self._prefetch(self.forward_order[max(index - depth, 0):index][::-1])
+            self._prefetch([u for u in self.forward_order[max(index - depth, 0):index][::-1]
+                            if u.unshard_in_backward])
 
     def _finish_oldest_reduce_scatters(self, keep: int) -> None:
         while len(self.pending_reduce_scatters) > keep:
@@ -150,12 +177,16 @@ class Schedule:
         self._finish_oldest_reduce_scatters(0)
 
     def finalize_backward(self) -> None:
-        """Runs once when autograd finishes: flush gradients, free whatever is still unsharded."""
-        self.drain_reduce_scatters()
+        """Runs once when autograd finishes: flush gradients, free whatever is still unsharded
+        (set_is_last_backward(False) leaves the reductions in flight until the next backward's
+        end or the next forward; set_reshard_after_backward(False) keeps that unit gathered)."""
+        if self.is_last_backward:
+            self.drain_reduce_scatters()
         self.sync_host_reads()
         self.kept_for_backward = []
         for unit in self.units:
-            unit.reshard()
+            if unit.reshard_after_backward:
+                unit.reshard()
             # A recomputation (activation checkpointing) may stop early, before post-forward
             # could put the parameters back.
             unit.use_sharded_params()
@@ -182,7 +213,22 @@ class Schedule:
         for unit in self.units:
             for state in unit.bucket_grads:
                 state.unsharded_accumulator, state.used, state.nonfinite = None, [], None
+                state.partial_reduce = None
         self.finalize_backward()
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: wait for what is in flight, drop the failed
+        step's gradients (no_sync and HSDP partial sums included), reshard every unit."""
+        for unit in self.units:
+            unit.wait_unshard()
+            unit.method_depth = 0
+        self.in_forward = False
+        self._recording = {}
+        self.abandon_backward()
+
+    def take_post_optim_event(self):
+        event, self.post_optim_event = self.post_optim_event, None
+        return event
 
     def reshard_all(self) -> None:
         for unit in self.units:
@@ -203,9 +249,12 @@ class Schedule:
     def note_reshard(self, unit: Unit) -> None:
         self.transient_in_flight.discard(unit)
 
-    def _prefetch(self, units: list[Unit]) -> None:
-        """Issue the all-gathers of `units` (the next ones in execution order), nearest first."""
+    def _prefetch(self, units: list[Unit], explicit: bool = False) -> None:
+        """Issue the all-gathers of `units` (the next ones in execution order, or a list the user
+        gave, which may hold more than the depth allows), nearest first."""
         limit = self.max_in_flight()
+        if limit is not None and explicit:
+            limit = max(limit, len(units) + 1)
         for unit in units:
             if unit.unsharded or unit.pending_unshard is not None:
                 continue

@@ -67,12 +67,13 @@ class Unit:
     """Args beyond the obvious: `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard,
     DTensor parameters on `mesh`, else on a mesh made from `groups`); `param_init_fn` materialises
     meta parameters here (the flat layout always does, with reset_parameters() by default; the rows
-    layout leaves them on meta until the user's `to_empty`, as torch's fully_shard does)."""
+    layout leaves them on meta until the user's `to_empty`, as torch's fully_shard does);
+    `ignored_params` (ids) stay plain parameters of the module, never sharded or reduced."""
 
     def __init__(self, module: nn.Module, groups: comm.Groups, mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int | None, options: dict,
                  offload: CPUOffloadPolicy | None = None, param_init_fn=None,
-                 layout: str = "flat", mesh=None):
+                 layout: str = "flat", mesh=None, ignored_params: set[int] = frozenset()):
         self.module = module
         self.groups = groups
         self.mp = mp
@@ -82,6 +83,17 @@ class Unit:
         self.schedule: Schedule | None = None
         self.is_root = False
         self.requires_gradient_sync = True
+        # torch FSDPModule's set_* knobs (api/fsdp_module.py says what each means)
+        self.requires_all_reduce = True      # HSDP: False defers the all-reduce (grads.py)
+        self.reshard_after_backward = True   # False: stay unsharded from backward to next forward
+        self.unshard_in_backward = True      # False: backward needs none of the parameters
+        self.gradient_divide_factor: float | None = None
+        self.all_reduce_hook = None          # hook(reduced shard) before the epilogue
+        self.forward_prefetch_units: list[Unit] | None = None   # explicit lists replace depth
+        self.backward_prefetch_units: list[Unit] | None = None
+        self.method_depth = 0                # inside a register_fsdp_forward_method method
+        self.params_in_use = False           # the modules hold the gathered parameters
+        self.summoned = False                # inside summon_full_params
         self.offload = offload
         if layout == "flat" or param_init_fn is not None:
             materialize_meta_modules(_owned_modules(module), groups.device, param_init_fn)
@@ -89,7 +101,8 @@ class Unit:
                      if layout == "rows" else None)
         direct_min_numel = options.get("direct_min_numel") or int(
             os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
-        self.buckets = build_buckets(module, groups, layout, self.mesh, direct_min_numel)
+        self.buckets = build_buckets(module, groups, layout, self.mesh, direct_min_numel,
+                                     ignored_params)
         self.full: list[torch.Tensor] = []
         self.full_data: list[torch.Tensor] = []
         self.unsharded = False
@@ -105,6 +118,11 @@ class Unit:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward, with_kwargs=True),
         ]
+        # Submodules holding this unit's parameters say so when called while they are sharded
+        # (outside the unit's forward), instead of failing with a shape error deep in torch.
+        holders = {id(m): m for b in self.buckets for s in b.slots for m, _ in s.locations}
+        self._handles += [m.register_forward_pre_hook(self._check_params_gathered)
+                          for m in holders.values() if m is not module]
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _init_sharded_state(self) -> None:
@@ -146,7 +164,7 @@ class Unit:
             group, slot = self.groups.post_forward, self.groups.post_forward_rank
         else:
             group, slot = self.groups.shard, self.groups.shard_rank
-        schedule = self.schedule
+        schedule = self.schedule or Schedule.create_standalone(self)  # unshard() before forward
         for i, bucket in enumerate(self.buckets):
             schedule.checker.check(group, "all_gather", self.name, i, bucket.full_numel,
                                    self.full[i].dtype)
@@ -170,7 +188,8 @@ class Unit:
                 self.pending_unshard = schedule.streams.launch(
                     "all_gather",
                     lambda async_op: self._all_gather_fn(chunks, group, slot, async_op),
-                    keep_alive=[c for cs in chunks or () for c in cs], label=label)
+                    keep_alive=[c for cs in chunks or () for c in cs], label=label,
+                    after_event=schedule.take_post_optim_event() if self.is_root else None)
                 if self.offload is not None and chunks is None:  # read the host shards
                     schedule.host_read_event = self.pending_unshard.event
         RECORDER.add("all_gather.issued", self.name)  # launched: collective queued
@@ -214,6 +233,8 @@ class Unit:
         dropped, and the optimizer would keep updating a shard the model no longer reads. The check
         costs two identity/pointer comparisons per parameter.
         """
+        if self.params_in_use:  # gathered on purpose (unshard() before forward): views, not shards
+            return
         for bucket in self.buckets:
             for slot, view in zip(bucket.slots, bucket.shard_views):
                 name = f"{self.name}.{slot.fqn}" if self.name else slot.fqn
@@ -305,8 +326,23 @@ class Unit:
         self.schedule.note_reshard(self)
         RECORDER.add("reshard", self.name)
 
+    def _check_params_gathered(self, module, args) -> None:
+        if self.params_in_use or self.summoned:
+            return
+        owned = [n for n, m in self.module.named_modules() if m is module]
+        name = f"'{self.name}.{owned[0]}'" if self.name and owned and owned[0] else (
+            f"'{owned[0]}'" if owned and owned[0] else "a submodule")
+        raise RuntimeError(
+            f"{type(module).__name__} {name} was called while its parameters are sharded: they "
+            f"belong to the unit of {type(self.module).__name__} ('{self.name or '<root>'}'), "
+            "whose forward is not running. A module outside forward() (e.g. the encoder that "
+            "generate() calls) needs the method that calls it registered: "
+            "fsdp_ext.register_fsdp_forward_method(model, 'generate'); a container whose own "
+            "forward never runs (ModuleList, ModuleDict) cannot be a unit: shard its children")
+
     def use_unsharded_params(self) -> None:
         """Point every module attribute at a view of the gathered buffers (no copy-out)."""
+        self.params_in_use = True
         if not torch.is_grad_enabled():
             for module, attr, view in self._no_grad_views():
                 module._parameters[attr] = view
@@ -346,6 +382,7 @@ class Unit:
         return self._no_grad_view_cache
 
     def use_sharded_params(self) -> None:
+        self.params_in_use = False
         for bucket in self.buckets:
             for slot in bucket.slots:
                 for module, attr in slot.locations:
@@ -353,12 +390,14 @@ class Unit:
 
     # ---- forward hooks ----------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
-        schedule = self.schedule or _become_root(self)
+        schedule = self.schedule
+        if schedule is None or schedule.standalone:
+            schedule = _become_root(self)
         if schedule.in_backward():  # recomputation (activation checkpointing) inside backward
             self.unshard(async_op=False)
             self.use_unsharded_params()
             return cast_floating((args, kwargs), self._input_dtype())
-        if self.is_root:
+        if self.is_root and not self.method_depth:  # not nested in a registered method
             schedule.root_pre_forward()
         schedule.record_forward(self)
         RECORDER.add("forward.begin", self.name)
@@ -374,6 +413,8 @@ class Unit:
 
     def _post_forward(self, module, args, kwargs, output):
         schedule = self.schedule
+        if self.method_depth:  # forward called inside a registered method: it still runs
+            return self._post_forward_nested(output)
         self.use_sharded_params()
         if schedule.in_backward():
             return None
@@ -392,6 +433,33 @@ class Unit:
             schedule.root_post_forward()
         return output
 
+    def _post_forward_nested(self, output):
+        """The module's forward ended inside one of its registered methods (e.g. generate()
+        calling forward): the parameters stay gathered for the rest of the method."""
+        end_range("forward", self)
+        output = cast_floating(output, self.mp.output_dtype)
+        if torch.is_grad_enabled():
+            self._register_pre_backward(output)
+        return output
+
+    def run_method(self, method, args, kwargs):
+        """A method registered with register_fsdp_forward_method: the unit's pre-forward, the
+        method (whose own calls of forward do not reshard), the post-forward."""
+        args, kwargs = self._pre_forward(self.module, args, kwargs)
+        self.method_depth += 1
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            self.method_depth -= 1
+            self.use_sharded_params()
+            if self.schedule is not None and self.is_root:
+                self.schedule.in_forward = False
+            self.reshard()
+            raise
+        self.method_depth -= 1
+        result = self._post_forward(self.module, args, kwargs, output)
+        return output if result is None else result
+
     def _input_dtype(self):
         return self.mp.param_dtype if self.mp.cast_forward_inputs else None
 
@@ -409,6 +477,10 @@ class Unit:
         if not self.pre_backward_done:
             self.pre_backward_done = True
             RECORDER.add("backward.begin", self.name)
+        if not self.unshard_in_backward:  # set_unshard_in_backward(False): no parameter needed
+            schedule.prefetch_backward(self, "pre")
+            begin_range("backward", self)
+            return None
         # Always make sure the parameters are there: a unit used twice in forward is freed after
         # the backward of its later use and needed again for the earlier one.
         self.unshard()
@@ -429,7 +501,8 @@ class Unit:
         RECORDER.add("backward.end", self.name)
         # Free the gathered parameters before the gradient path allocates its packed buffers:
         # the gradients are computed, nothing reads the parameters again in this use.
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
         grads = iter(grads)
         for i in self.grad_bucket_indices:
             reduce_bucket(self, i, [next(grads) for _ in self.buckets[i].slots])

@@ -102,8 +102,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, full: b
                      rank0_only: bool = False, cpu_offload: bool = False) -> dict:
     """The optimizer's state keyed by parameter names (see the module docstring).
 
-    Every rank must call it. `rank0_only` / `cpu_offload` apply to the full form: other ranks get
-    an empty dict; gathered tensors move to the CPU.
+    Every rank must call it. `rank0_only` applies to the full form (other ranks get an empty
+    dict); `cpu_offload` moves gathered tensors, or FSDP1's local shards, to the CPU.
     """
     infos = param_infos(model)
     sharded_keys = _agreed_sharded_keys(optimizer, infos)
@@ -120,6 +120,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, full: b
                 entry = {}
                 for key, value in optimizer.state.get(p, {}).items():
                     if key in sharded_keys[info.name] and not dtensor_params.is_dtensor(value):
+                        value = value.cpu() if cpu_offload else value
                         value = (flat_sharded_tensor(info.bucket, info.index, value.contiguous(),
                                                      info.unit.groups.shard) if distributed
                                  else value.view(info.slot.shape))

@@ -33,7 +33,7 @@ _WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper hi
 class StateDictSettings:
     full: bool = False          # False: sharded (ShardedTensor) entries
     rank0_only: bool = False    # full only: other ranks return no entries
-    cpu_offload: bool = False   # full only: move every entry to the CPU
+    cpu_offload: bool = False   # move every entry (sharded: every local shard) to the CPU
 
 
 def settings_of(unit) -> StateDictSettings:
@@ -93,10 +93,10 @@ def post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) 
     if settings.full:
         _fill_full(unit, state_dict, prefix, settings)
     else:
-        _fill_sharded(unit, state_dict, prefix)
+        _fill_sharded(unit, state_dict, prefix, settings.cpu_offload)
 
 
-def _fill_sharded(unit, state_dict: dict, prefix: str) -> None:
+def _fill_sharded(unit, state_dict: dict, prefix: str, cpu_offload: bool) -> None:
     keys = slot_keys(unit)
     distributed = dist.is_available() and dist.is_initialized()
     for bucket in unit.buckets:
@@ -104,6 +104,7 @@ def _fill_sharded(unit, state_dict: dict, prefix: str) -> None:
             continue  # the parameters are DTensors (or, without a process group, full tensors)
         for index, slot in enumerate(bucket.slots):
             local = slot.param.detach()
+            local = local.cpu() if cpu_offload else local
             # Without a process group there is nothing to shard over: hand out the plain tensor.
             value = (flat_sharded_tensor(bucket, index, local, unit.groups.shard) if distributed
                      else local.view(slot.shape))
@@ -117,7 +118,7 @@ def _fill_full(unit, state_dict: dict, prefix: str, settings: StateDictSettings)
     keep = not settings.rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     with torch.no_grad():
         for bucket in unit.buckets:
-            tensors = gather_bucket_params(unit, bucket)  # every rank takes part
+            tensors = gather_bucket(unit, bucket, bucket.shard)  # every rank takes part
             for slot, tensor in zip(bucket.slots, tensors):
                 if slot.tp_spec is not None:  # gathered over data parallel: TP's local tensor
                     tensor = dtensor_params.tp_view(tensor, slot.tp_spec).full_tensor()
@@ -132,12 +133,13 @@ def _fill_full(unit, state_dict: dict, prefix: str, settings: StateDictSettings)
             state_dict[key] = state_dict[key].cpu()
 
 
-def gather_bucket_params(unit, bucket) -> list[torch.Tensor]:
-    """All-gather one bucket in its own dtype; the full-shape parameters (views of one buffer)."""
+def gather_bucket(unit, bucket, shard: torch.Tensor) -> list[torch.Tensor]:
+    """All-gather one bucket's `shard` (its parameters' shard, or its gradients') in its own
+    dtype; the full-shape tensors (views of one buffer)."""
     device = unit.groups.device  # the collective's device (the shard may be offloaded to the CPU)
-    full = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=device)
+    full = torch.empty(bucket.full_numel, dtype=shard.dtype, device=device)
     targets = gather.targets(bucket, full, unit.groups.shard_size)
-    gather.copy_in_and_gather(targets, gather.sources(bucket, bucket.shard.to(device)),
+    gather.copy_in_and_gather(targets, gather.sources(bucket, shard.to(device)),
                               unit.groups.shard_rank, unit.groups.shard, async_op=False)
     gather.copy_out(bucket, full, targets)
     return bucket.full_views(full)
@@ -163,22 +165,3 @@ def sharded_state_dict(model: nn.Module) -> dict:
     """`model.state_dict()` in the sharded form (ShardedTensor entries), whatever the setting."""
     with state_dict_settings(model, StateDictSettings()):
         return model.state_dict()
-
-
-def settings_for(state_dict_type, state_dict_config=None) -> StateDictSettings:
-    """Translate torch.distributed.fsdp's StateDictType + config into our settings.
-
-    Accepts torch's own enum and config classes (compared by name), so FSDP1 scripts run as they are.
-    """
-    kind = getattr(state_dict_type, "name", state_dict_type)
-    if kind == "FULL_STATE_DICT":
-        return StateDictSettings(full=True,
-                                 rank0_only=bool(getattr(state_dict_config, "rank0_only", False)),
-                                 cpu_offload=bool(getattr(state_dict_config, "offload_to_cpu", False)))
-    if kind == "SHARDED_STATE_DICT":
-        if getattr(state_dict_config, "offload_to_cpu", False):
-            raise NotImplementedError("SHARDED_STATE_DICT with offload_to_cpu is not supported")
-        return StateDictSettings()
-    if kind == "LOCAL_STATE_DICT":
-        raise NotImplementedError("LOCAL_STATE_DICT is not supported; use SHARDED_STATE_DICT")
-    raise ValueError(f"unknown state_dict_type {state_dict_type!r}")
