@@ -6,9 +6,10 @@ offload_to_cpu), and the optimizer's (FullOptimStateDictConfig, ShardedOptimStat
 torch's defaults hold: a FullyShardedDataParallel model's state_dict() is full, its optimizer
 state dict full and moved to the CPU. LOCAL_STATE_DICT (FSDP1's FlatParameters) is refused.
 
-The legacy functions (full_optim_state_dict, rekey_optim_state_dict, ...) use torch's keys:
-parameter IDs (OptimStateKeyType.PARAM_ID: positions in the optimizer's param_groups, those of the
-unwrapped model's optimizer) or names (PARAM_NAME).
+The legacy functions (full_optim_state_dict, rekey_optim_state_dict, ...) key by parameter names,
+as torch 2.14's do; rekey_optim_state_dict converts to parameter IDs (OptimStateKeyType.PARAM_ID:
+positions in the optimizer's param_groups, those of the unwrapped model's optimizer) and back,
+and the loading functions take either.
 """
 from __future__ import annotations
 
@@ -126,13 +127,12 @@ def _to_names(osd: dict, order: list[str]) -> dict:
 
 def full_optim_state_dict(model: nn.Module, optim, optim_input=None, rank0_only: bool = True,
                           group=None) -> dict:
-    """The full optimizer state keyed by parameter IDs, as the unwrapped model's optimizer's
-    `state_dict()` (tensors on the CPU); with rank0_only, other ranks get {}."""
+    """The full optimizer state keyed by parameter names, as torch's returns it (tensors on the
+    CPU; rekey_optim_state_dict gives IDs); with rank0_only, other ranks get {}."""
     _refuse_optim_input(optim_input, "full_optim_state_dict")
     refuse_group(group, "full_optim_state_dict")
-    model = _unwrapped(model)
-    osd = _optim_state_dict(model, optim, full=True, rank0_only=rank0_only, cpu_offload=True)
-    return _to_ids(osd, _param_order(model, optim)) if osd else {}
+    return _optim_state_dict(_unwrapped(model), optim, full=True, rank0_only=rank0_only,
+                             cpu_offload=True)
 
 
 def sharded_optim_state_dict(model: nn.Module, optim, group=None) -> dict:
