@@ -72,7 +72,8 @@ class Trainer:
         from fsdp_ext.diagnostics.memory import memory_report
         out = dict(tensors=tensor_accounting(self.model, self.opt))
         if self.name.startswith("fsdp_ext"):
-            out["memory_report"] = memory_report(self.model, self.opt)
+            model = getattr(self.model, "_orig_mod", self.model)  # under torch.compile
+            out["memory_report"] = memory_report(model, self.opt)
         return out
 
 

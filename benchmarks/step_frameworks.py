@@ -14,6 +14,8 @@ and, on request (--frameworks), fsdp_ext's candidate ways to gather its DTensor 
     fsdp_ext-direct   every parameter gathered directly into its place (one collective each)
     fsdp_ext-copied   every parameter of a unit gathered in one collective, then copied out
     fsdp_ext-flat     fsdp_ext.FullyShardedDataParallel: the flat layout with 1-D views (FSDP1's)
+and torch.compile (inductor) variants: NAME+compile compiles the whole wrapped model (fsdp_ext,
+fsdp2, local), fsdp_ext+unit-compile each block's forward.
 """
 from __future__ import annotations
 
@@ -121,12 +123,27 @@ def _wrap_fsdp2(model, device, options):
     return fully_shard(model, mesh=mesh)
 
 
+def _compiled(wrap, per_unit: bool = False):
+    """torch.compile (inductor) of the wrapped model, or (per_unit) of each block's forward."""
+    def compiled(model, device, options):
+        if per_unit:
+            for layer in model.layers:
+                layer.forward = torch.compile(layer.forward)
+            return wrap(model, device, options)
+        return torch.compile(wrap(model, device, options))
+    return compiled
+
+
 WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp1": _wrap_fsdp1, "fsdp2": _wrap_fsdp2,
             "local": lambda model, device, options: model,
             "fsdp_ext-direct": _wrap_fsdp_ext_split(1),
             "fsdp_ext-copied": _wrap_fsdp_ext_split(1 << 62),
-            "fsdp_ext-flat": _wrap_fsdp_ext_flat}
+            "fsdp_ext-flat": _wrap_fsdp_ext_flat,
+            "fsdp_ext+compile": _compiled(_wrap_fsdp_ext),
+            "fsdp_ext+unit-compile": _compiled(_wrap_fsdp_ext, per_unit=True),
+            "fsdp2+compile": _compiled(_wrap_fsdp2),
+            "local+compile": _compiled(lambda model, device, options: model)}
 FRAMEWORKS = ["fsdp_ext", "ddp", "fsdp1", "fsdp2", "local"]  # the default run
 
 

@@ -1,6 +1,7 @@
-"""torch.compile smoke tests on CPU: a unit's compiled forward inside fsdp_ext, and the custom ops
-traced in a full graph (their fake implementations). The aot_eager backend exercises Dynamo and
-AOTAutograd without generating C++, which keeps the test fast."""
+"""torch.compile on CPU: a unit's compiled forward inside fsdp_ext, the whole sharded model compiled
+(inductor, which generates C++: the runtime's hooks must stay out of its graphs), and the custom ops
+traced in a full graph (their fake implementations). The per-unit case uses the aot_eager backend,
+which exercises Dynamo and AOTAutograd without generating code, to keep the test fast."""
 from __future__ import annotations
 
 import copy
@@ -42,6 +43,45 @@ def compile_worker(rank: int, world_size: int) -> None:
 
 def test_compiled_unit_forward_trains():
     run_distributed(compile_worker, 2)
+
+
+def whole_model_worker(rank: int, world_size: int) -> None:
+    """torch.compile(model) of a sharded model trains with the eager sharded model's losses (and
+    the unwrapped model's); after the first step no frame is compiled again."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=41, block_size=8, n_layer=2, n_head=2, d_model=16))
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(ref)
+        for block in model.blocks:
+            fsdp_ext.fully_shard(block)
+        models.append(fsdp_ext.fully_shard(model))
+    eager, compiled = models[0], torch.compile(models[1])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, *models)]
+    for step in range(4):
+        idx = torch.randint(0, 41, (2 * world_size, 8), generator=torch.Generator().manual_seed(step))
+        mine = local_slice(idx, rank, world_size)
+        losses = [ref(idx, idx), eager(mine, mine), compiled(mine, mine)]
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        ref_loss, eager_loss, compiled_loss = (losses[0].detach(), global_mean(losses[1]),
+                                               global_mean(losses[2]))
+        torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=0,
+                                   msg=lambda m: f"step {step}, compiled vs eager: {m}")
+        torch.testing.assert_close(eager_loss, ref_loss, atol=1e-5, rtol=1e-5)
+        if step == 0:
+            frames = counters["stats"]["unique_graphs"]
+    assert frames > 0, "torch.compile compiled nothing"
+    assert counters["stats"]["unique_graphs"] == frames, \
+        f"recompiled after step 0: {frames} -> {counters['stats']['unique_graphs']} graphs"
+    dist.barrier()
+
+
+def test_compiled_whole_model_trains():
+    run_distributed(whole_model_worker, 2, timeout_s=300.0)
 
 
 @pytest.mark.skipif(not fsdp_ext.ops.HAVE_EXTENSION, reason="needs the compiled extension")

@@ -349,10 +349,46 @@ def check_refused(rank, world):
             "dp_mesh_dims")
 
 
+def check_units_that_never_run(rank, world):
+    """A container whose forward never runs (a ModuleList given to fully_shard) fails at the first
+    child's call, naming it (torch's fails in DTensor dispatch); a unit skipped in a step is named
+    once at that step's end, and the others train as torch's do."""
+    model = scripts.build()
+    fsdp_ext.fully_shard(model.blocks)
+    fsdp_ext.fully_shard(model)
+    idx = scripts.batch(0, rank, world)
+    _raises(lambda: model(idx, idx), "'blocks.0.", "was called while its parameters are "
+            "sharded", "ModuleList", exc=RuntimeError)
+
+    class Skips(nn.Module):  # the second block runs only when asked
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, use_b=False):
+            x = self.a(x)
+            return self.b(x) if use_b else x
+
+    for use_b in (False, True):
+        net = Skips()
+        fsdp_ext.fully_shard(net.a)
+        fsdp_ext.fully_shard(net.b)
+        fsdp_ext.fully_shard(net)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                net(torch.ones(2, 4), use_b).sum().backward()
+        said = [str(w.message) for w in caught if "took no part in this step" in str(w.message)]
+        expected = [] if use_b else ["unit 'b' (FSDPLinear)"]
+        assert len(said) == len(expected) and all(e in m for e, m in zip(expected, said)), said
+        assert (net.b.weight.grad is None) != use_b and net.a.weight.grad is not None
+
+
 CHECKS = [check_is_torch_fsdp_module, check_unshard_and_reshard, check_explicit_prefetch,
           check_accumulation_knobs, check_reduction_knobs, check_replicas_defer_all_reduce,
           check_unshard_in_backward, check_reset_iter_state, check_forward_methods,
-          check_ignored_params_and_policies, check_comm_ctx_and_post_optim_event, check_refused]
+          check_ignored_params_and_policies, check_comm_ctx_and_post_optim_event, check_refused,
+          check_units_that_never_run]
 
 
 def _worker(rank, world):

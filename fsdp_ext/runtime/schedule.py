@@ -12,6 +12,8 @@ import `unit` (annotations name "Unit" as text only).
 """
 from __future__ import annotations
 
+import warnings
+
 from collections import deque
 
 import torch
@@ -61,6 +63,7 @@ class Schedule:
         self.standalone = False           # made by unshard() before any forward (create_standalone)
         self.is_last_backward = True      # set_is_last_backward(False): leave reductions pending
         self.post_optim_event = None      # set_post_optim_event: what the next all-gather waits on
+        self._reported_idle: set[Unit] = set()  # units named by _report_idle_units
 
     @classmethod
     def create_standalone(cls, unit: Unit) -> "Schedule":
@@ -192,7 +195,23 @@ class Schedule:
             unit.use_sharded_params()
             unit.reset_backward_state()
         self._backward_queued = False
+        self._report_idle_units()
         RECORDER.add("backward.finalize", self.root.name)
+
+    def _report_idle_units(self) -> None:
+        """Name, once each, the trainable units whose forward did not run in this step: their
+        parameters got no gradient. Legitimate for a branch not taken; a mistake when the unit is
+        a container whose own forward is never called (its children then run on sharded
+        parameters, which their own check reports at the call)."""
+        for unit in self.units:
+            if unit in self._recording or unit in self._reported_idle:
+                continue
+            if any(bucket.requires_grad for bucket in unit.buckets):
+                self._reported_idle.add(unit)
+                warnings.warn(
+                    f"fsdp_ext: unit '{unit.name or '<root>'}' ({type(unit.module).__name__}) took "
+                    "no part in this step (its forward never ran), so its parameters got no "
+                    "gradient; said once per unit", stacklevel=2)
 
     def sync_host_reads(self) -> None:
         """Block the host until the all-gather stream has read every host shard it was asked to

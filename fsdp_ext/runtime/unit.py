@@ -114,14 +114,20 @@ class Unit:
         self._no_grad_view_cache: list[tuple[nn.Module, str, torch.Tensor]] | None = None
         self.bucket_grads = [BucketGrads() for _ in self.buckets]
         self._init_sharded_state()
+        # The hooks run eagerly under torch.compile (a graph break at each unit boundary, as
+        # torch's FSDP2 skips its hooks): they issue collectives and resize storages, which
+        # graphs with dynamic shapes cannot hold, and they decide per step what to gather.
         self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, with_kwargs=True),
+            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward),
+                                             prepend=True, with_kwargs=True),
+            module.register_forward_hook(torch.compiler.disable(self._post_forward),
+                                         with_kwargs=True),
         ]
         # Submodules holding this unit's parameters say so when called while they are sharded
         # (outside the unit's forward), instead of failing with a shape error deep in torch.
         holders = {id(m): m for b in self.buckets for s in b.slots for m, _ in s.locations}
-        self._handles += [m.register_forward_pre_hook(self._check_params_gathered)
+        check = torch.compiler.disable(self._check_params_gathered)
+        self._handles += [m.register_forward_pre_hook(check)
                           for m in holders.values() if m is not module]
 
     # ---- set-up -----------------------------------------------------------------------------------
@@ -233,7 +239,7 @@ class Unit:
         dropped, and the optimizer would keep updating a shard the model no longer reads. The check
         costs two identity/pointer comparisons per parameter.
         """
-        if self.params_in_use:  # gathered on purpose (unshard() before forward): views, not shards
+        if self.params_in_use or self.summoned:  # gathered on purpose: full tensors, not shards
             return
         for bucket in self.buckets:
             for slot, view in zip(bucket.slots, bucket.shard_views):
@@ -253,9 +259,8 @@ class Unit:
                     raise RuntimeError(
                         f"parameter '{name}' had its .data replaced after fully_shard (now shape "
                         f"{list(local.shape)}; this rank's shard is {list(view.shape)} of the "
-                        f"original {list(slot.shape)}): it no longer views the sharded storage "
-                        "(or a forward ran inside summon_full_params). Copy new values in place, "
-                        "or make the change before fully_shard")
+                        f"original {list(slot.shape)}): it no longer views the sharded storage. "
+                        "Copy new values in place, or make the change before fully_shard")
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device (built under torch.device("meta"),
@@ -337,8 +342,10 @@ class Unit:
             f"belong to the unit of {type(self.module).__name__} ('{self.name or '<root>'}'), "
             "whose forward is not running. A module outside forward() (e.g. the encoder that "
             "generate() calls) needs the method that calls it registered: "
-            "fsdp_ext.register_fsdp_forward_method(model, 'generate'); a container whose own "
-            "forward never runs (ModuleList, ModuleDict) cannot be a unit: shard its children")
+            "fsdp_ext.register_fsdp_forward_method(model, 'generate') (FullyShardedDataParallel: "
+            "or call it inside FullyShardedDataParallel.summon_full_params(model, recurse=False)); "
+            "a container whose own forward never runs (ModuleList, ModuleDict) cannot be a unit: "
+            "shard its children")
 
     def use_unsharded_params(self) -> None:
         """Point every module attribute at a view of the gathered buffers (no copy-out)."""
@@ -399,6 +406,8 @@ class Unit:
             return cast_floating((args, kwargs), self._input_dtype())
         if self.is_root and not self.method_depth:  # not nested in a registered method
             schedule.root_pre_forward()
+        if self.summoned:  # inside summon_full_params: the module holds the full parameters
+            return cast_floating((args, kwargs), self._input_dtype())
         schedule.record_forward(self)
         RECORDER.add("forward.begin", self.name)
         self.unshard()
@@ -415,6 +424,10 @@ class Unit:
         schedule = self.schedule
         if self.method_depth:  # forward called inside a registered method: it still runs
             return self._post_forward_nested(output)
+        if self.summoned:
+            if self.is_root:
+                schedule.root_post_forward()
+            return cast_floating(output, self.mp.output_dtype)
         self.use_sharded_params()
         if schedule.in_backward():
             return None
@@ -518,6 +531,14 @@ class Unit:
 
 def _become_root(unit: Unit) -> Schedule:
     return Schedule.create(unit)
+
+
+def ensure_root(unit: Unit) -> None:
+    """Make `unit` the root of its units now, as its first forward would (FSDP1's lazy init on
+    summon_full_params): a method then called inside the summon (generate() calling the encoder,
+    then forward) finds the root's schedule instead of making a sub-unit a root of its own."""
+    if unit.schedule is None or unit.schedule.standalone:
+        _become_root(unit)
 
 
 def _owned_modules(module: nn.Module) -> list[nn.Module]:

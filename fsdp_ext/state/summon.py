@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.registry import unit_of, units_of
+from ..runtime.unit import ensure_root
 from .state_dict import gather_bucket
 
 
@@ -48,6 +49,8 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
         raise NotImplementedError(
             "summon_full_params(with_grads=True, offload_to_cpu=True) is not supported (as in torch)")
     installs = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    for unit in _units(model, recurse=False):
+        ensure_root(unit)
     gathered = []
     with torch.no_grad():
         for unit in _units(model, recurse):
