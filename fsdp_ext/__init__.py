@@ -17,9 +17,11 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPoli
                                     MixedPrecisionPolicy, OffloadPolicy, OptimStateKeyType,
                                     ShardedOptimStateDictConfig, ShardedStateDictConfig,
                                     ShardingStrategy, StateDictSettings, StateDictType)
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, always_wrap_policy,
-                                         lambda_auto_wrap_policy, size_based_auto_wrap_policy,
-                                         transformer_auto_wrap_policy)
+                                         enable_wrap, lambda_auto_wrap_policy,
+                                         size_based_auto_wrap_policy,
+                                         transformer_auto_wrap_policy, wrap)
 
 from .api.clip import clip_grad_norm_
 from .api.fsdp1 import FullyShardedDataParallel
@@ -45,10 +47,12 @@ __all__ = [
     # FSDP2 style
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     "share_comm_ctx", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     # FSDP1 style
     "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
     "CPUOffload", "ModuleWrapPolicy", "CustomPolicy", "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy", "lambda_auto_wrap_policy", "always_wrap_policy",
+    "enable_wrap", "wrap",
     "StateDictType", "StateDictSettings", "FullStateDictConfig", "ShardedStateDictConfig",
     "LocalStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
     "LocalOptimStateDictConfig", "OptimStateKeyType",

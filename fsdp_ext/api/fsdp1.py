@@ -53,6 +53,8 @@ def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, s
     return modules, params
 
 
+_WRAPPED_PREFIX = "_fsdp_wrapped_module."  # where the wrapper keeps the model (torch's name)
+
 class FullyShardedDataParallel(nn.Module):
     """Drop-in for torch.distributed.fsdp.FullyShardedDataParallel (see docs/compat.md)."""
 
@@ -171,12 +173,15 @@ class FullyShardedDataParallel(nn.Module):
         except AttributeError:
             return getattr(self._fsdp_wrapped_module, name)
 
-    # The wrapper is transparent: names and keys are those of the wrapped module.
+    # The wrapper is transparent: names and keys are those of the unwrapped model, also under
+    # wrappers nested by hand (torch's FSDP1 cleans names so only inside summon_full_params).
     def named_parameters(self, *args, **kwargs):
-        return self._fsdp_wrapped_module.named_parameters(*args, **kwargs)
+        for name, param in self._fsdp_wrapped_module.named_parameters(*args, **kwargs):
+            yield name.replace(_WRAPPED_PREFIX, ""), param
 
     def named_buffers(self, *args, **kwargs):
-        return self._fsdp_wrapped_module.named_buffers(*args, **kwargs)
+        for name, buffer in self._fsdp_wrapped_module.named_buffers(*args, **kwargs):
+            yield name.replace(_WRAPPED_PREFIX, ""), buffer
 
     def state_dict(self, *args, **kwargs):
         return self._fsdp_wrapped_module.state_dict(*args, **kwargs)
