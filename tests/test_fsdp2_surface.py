@@ -349,6 +349,37 @@ def check_refused(rank, world):
             "dp_mesh_dims")
 
 
+def check_fully_shard_arguments(rank, world):
+    """Every fully_shard argument with torch's own objects, each against torch on the same script:
+    an explicit mesh, reshard_after_forward as bool and int, shard_placement_fn giving Shard(0),
+    MixedPrecisionPolicy's fields (param_dtype, reduce_dtype, output_dtype,
+    cast_forward_inputs) and CPUOffloadPolicy(pin_memory=False)."""
+    from torch.distributed.tensor import Shard
+    mesh = init_device_mesh("cpu", (world,))
+    _same(rank, world, "mesh", mesh=mesh)
+    for value in (False, 1, world):  # torch: 1 keeps nothing sharded (= False), world = True
+        _same(rank, world, f"reshard_after_forward={value}", reshard_after_forward=value)
+    _same(rank, world, "shard_placement_fn", shard_placement_fn=lambda param: Shard(0))
+    bf16 = dict(atol=3e-2, rtol=3e-2)
+    for fields in (dict(cast_forward_inputs=False), dict(reduce_dtype=torch.bfloat16)):
+        policy = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, **fields)
+        _same(rank, world, f"MixedPrecisionPolicy({fields})", tol=bf16, mp_policy=policy)
+    logits = {}
+    for fsdp in FRAMEWORKS:  # output_dtype on the root: bf16 compute, fp32 logits
+        model = scripts.build()
+        for block in model.blocks:
+            fsdp.fully_shard(block, mp_policy=torch_fsdp.MixedPrecisionPolicy(torch.bfloat16))
+        fsdp.fully_shard(model, mp_policy=torch_fsdp.MixedPrecisionPolicy(
+            torch.bfloat16, output_dtype=torch.float32))
+        idx = scripts.batch(0, rank, world)
+        logits[fsdp.__name__] = model(idx)
+    (theirs, ours) = logits.values()
+    assert ours.dtype == theirs.dtype == torch.float32, (ours.dtype, theirs.dtype)
+    torch.testing.assert_close(ours, theirs, **bf16)
+    _same(rank, world, "CPUOffloadPolicy", offload_policy=torch_fsdp.CPUOffloadPolicy(
+        pin_memory=False))
+
+
 def check_units_that_never_run(rank, world):
     """A container whose forward never runs (a ModuleList given to fully_shard) fails at the first
     child's call, naming it (torch's fails in DTensor dispatch); a unit skipped in a step is named
@@ -388,7 +419,7 @@ CHECKS = [check_is_torch_fsdp_module, check_unshard_and_reshard, check_explicit_
           check_accumulation_knobs, check_reduction_knobs, check_replicas_defer_all_reduce,
           check_unshard_in_backward, check_reset_iter_state, check_forward_methods,
           check_ignored_params_and_policies, check_comm_ctx_and_post_optim_event, check_refused,
-          check_units_that_never_run]
+          check_units_that_never_run, check_fully_shard_arguments]
 
 
 def _worker(rank, world):
