@@ -224,7 +224,8 @@ def check_attributes(rank, world):
                  "limit_all_gathers", "rank", "world_size", "mixed_precision", "cpu_offload"):
         assert getattr(ours, attr) == getattr(theirs, attr), (attr, getattr(ours, attr),
                                                              getattr(theirs, attr))
-    assert ours.compute_device == theirs.compute_device == CPU
+    assert ours.compute_device == theirs.compute_device == CPU  # _wrap passes device_id=CPU
+    assert fsdp_ext.FullyShardedDataParallel(scripts.build(), device_id=None).compute_device == CPU
     assert ours.training_state == theirs.training_state
     assert ours.check_is_root() and theirs.check_is_root()
     assert dist.get_world_size(ours.process_group) == dist.get_world_size(theirs.process_group)
@@ -268,13 +269,16 @@ def check_state_dict_types(rank, world):
     T = torch_fsdp.StateDictType
     ours, theirs = _same(rank, world, "state dicts", steps=1)
     F, TF = fsdp_ext.FullyShardedDataParallel, torch_fsdp.FullyShardedDataParallel
-    for model, cls in ((ours, F), (theirs, TF)):
+    for model, cls in ((ours, F), (theirs, TF)):  # FSDP1's defaults
         settings = cls.get_state_dict_type(model)
+        assert isinstance(settings, torch_fsdp.StateDictSettings), settings
         assert settings.state_dict_type == T.FULL_STATE_DICT, settings
+        assert type(settings.state_dict_config) is torch_fsdp.FullStateDictConfig, settings
+        assert type(settings.optim_state_dict_config) is torch_fsdp.FullOptimStateDictConfig
     config = torch_fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     dicts = []
     for model, cls in ((ours, F), (theirs, TF)):
-        with cls.state_dict_type(model, T.FULL_STATE_DICT, config):
+        with cls.state_dict_type(model, T.FULL_STATE_DICT, state_dict_config=config):
             dicts.append(model.state_dict())
     if rank == 0:
         assert list(dicts[0]) == list(dicts[1])
@@ -283,6 +287,8 @@ def check_state_dict_types(rank, world):
             torch.testing.assert_close(dicts[0][key], value, **FP32)
     else:
         assert dicts[0] == {} and dicts[1] == {}
+    F.set_state_dict_type(ours, T.SHARDED_STATE_DICT,
+                          state_dict_config=torch_fsdp.ShardedStateDictConfig(offload_to_cpu=True))
     with F.state_dict_type(ours, T.SHARDED_STATE_DICT,
                            torch_fsdp.ShardedStateDictConfig(offload_to_cpu=True)):
         sharded = ours.state_dict()
@@ -387,7 +393,10 @@ def check_no_sync_and_clip(rank, world):
             idx = scripts.batch(0, rank, world)
             model(idx, idx).backward()
         losses, _ = _train(model, rank, world, 2, opt=opt, clip=0.5)
-        runs[fsdp.__name__] = losses
+        idx = scripts.batch(5, rank, world)
+        model(idx, idx).backward()
+        norms = [float(model.clip_grad_norm_(0.1, norm_type=kind)) for kind in (1.0, float("inf"))]
+        runs[fsdp.__name__] = losses + norms  # the loss-step norms come from clip_grad_norm_
     torch.testing.assert_close(runs["fsdp_ext"], runs["torch.distributed.fsdp"], **FP32)
 
 

@@ -159,11 +159,16 @@ def check_reduction_knobs(rank, world):
     _same(rank, world, "set_all_reduce_hook", hook)
 
     def knobs(model):
-        model.set_reduce_scatter_max_input_buffers(2)
-        model.set_separate_reduce_scatter_group(True)
-        model.set_reduce_scatter_unused_params(True)
-    _same(rank, world, "reduce-scatter buffers / group / unused params", knobs)
+        model.set_reduce_scatter_max_input_buffers(2, recurse=True)
+        model.set_separate_reduce_scatter_group(enable=True, recurse=False)
+        model.set_reduce_scatter_unused_params(True, recurse=False)
+    ours = _same(rank, world, "reduce-scatter buffers / group / unused params", knobs)
+    # recurse=False set the root's unit only
+    assert ours._unit.groups.separate_reduce_scatter is not None
+    assert ours.blocks[0]._unit.groups.separate_reduce_scatter is None
+    assert ours.blocks[0]._unit.options["max_pending_reduce_scatters"] == 2
     model = scripts.shard(fsdp_ext, scripts.build())
+    _raises(lambda: model.set_all_reduce_hook(lambda out: None, stream=object()), "stream")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.set_reduce_scatter_divide_factor(2.0)
@@ -180,7 +185,7 @@ def check_replicas_defer_all_reduce(rank, world):
         model = scripts.shard(fsdp, scripts.build(), mesh=mesh)
         opt = scripts.adamw(model)
         for m in range(2):
-            model.set_requires_all_reduce(m == 1)
+            model.set_requires_all_reduce(m == 1, recurse=True)
             idx = scripts.batch(m, rank, world)
             model(idx, idx).backward()
         opt.step()
@@ -339,13 +344,14 @@ def check_refused(rank, world):
     model = scripts.shard(fsdp_ext, scripts.build())
     _raises(lambda: model.set_custom_all_gather(object()), "set_custom_all_gather")
     _raises(lambda: model.set_custom_reduce_scatter(object()), "set_custom_reduce_scatter")
-    _raises(lambda: model.set_symm_mem_for_comm(), "set_symm_mem_for_comm")
+    _raises(lambda: model.set_symm_mem_for_comm(backend="NCCL"), "set_symm_mem_for_comm")
     _raises(lambda: model.set_allocate_memory_from_process_group_for_comm(True),
             "set_allocate_memory_from_process_group_for_comm")
     model.set_allocate_memory_from_process_group_for_comm(False)  # the default: accepted
     _raises(lambda: fsdp_ext.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)]), "list of modules")
     _raises(lambda: fsdp_ext.fully_shard(nn.Linear(2, 2),
-                                         dp_mesh_dims=torch_fsdp.DataParallelMeshDims(shard="dp")),
+                                         dp_mesh_dims=torch_fsdp.DataParallelMeshDims(
+                                             shard="dp", replicate="rep")),
             "dp_mesh_dims")
 
 

@@ -159,10 +159,14 @@ class FSDPModule(_TorchFSDPModule):
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """`hook(reduce_output)` on each reduced gradient shard of this module (after the
         reduce-scatter, or after the all-reduce under HSDP), before it is accumulated into .grad;
-        it runs where the reduction is finished, in stream order after it (`stream` accepted)."""
+        it runs where the reduction is finished, in stream order after it."""
         unit = self._unit
         if stream is not None and unit.groups.replicate is not None:
             raise ValueError("stream cannot be set when using native HSDP")
+        if stream is not None:
+            raise NotImplementedError(
+                "set_all_reduce_hook(stream=...): the hook runs on fsdp_ext's reduce stream, "
+                "ordered after the reduction; leave stream=None")
         unit.all_reduce_hook = hook
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
