@@ -14,6 +14,7 @@ and, on request (--frameworks), fsdp_ext's candidate ways to gather its DTensor 
     fsdp_ext-direct   every parameter gathered directly into its place (one collective each)
     fsdp_ext-copied   every parameter of a unit gathered in one collective, then copied out
     fsdp_ext-flat     fsdp_ext.FullyShardedDataParallel: the flat layout with 1-D views (FSDP1's)
+    fsdp_ext-unchecked  fsdp_ext with its collective tags off after the first forward (their cost)
 and torch.compile (inductor) variants: NAME+compile compiles the whole wrapped model (fsdp_ext,
 fsdp2, local), fsdp_ext+unit-compile each block's forward.
 """
@@ -94,6 +95,17 @@ def _wrap_fsdp_ext_split(direct_min_numel: int):
     return wrap
 
 
+def _wrap_fsdp_ext_unchecked(model, device, options):
+    """fsdp_ext with the collective tags turned off after the first forward (what they cost)."""
+    model = _wrap_fsdp_ext(model, device, options)
+
+    def tags_off(module, args, output):
+        module._unit.schedule.checker.enabled = False
+        handle.remove()
+    handle = model.register_forward_hook(tags_off)
+    return model
+
+
 def _wrap_fsdp_ext_flat(model, device, options):
     import fsdp_ext
     return fsdp_ext.FullyShardedDataParallel(
@@ -140,6 +152,7 @@ WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp_ext-direct": _wrap_fsdp_ext_split(1),
             "fsdp_ext-copied": _wrap_fsdp_ext_split(1 << 62),
             "fsdp_ext-flat": _wrap_fsdp_ext_flat,
+            "fsdp_ext-unchecked": _wrap_fsdp_ext_unchecked,
             "fsdp_ext+compile": _compiled(_wrap_fsdp_ext),
             "fsdp_ext+unit-compile": _compiled(_wrap_fsdp_ext, per_unit=True),
             "fsdp2+compile": _compiled(_wrap_fsdp2),

@@ -2,11 +2,12 @@
 
 Run as one process per rank (tests/proc_launch.py sets RANK, WORLD_SIZE, MASTER_ADDR/PORT):
 
-    python tests/fault_script.py --mode {none,sleep,kill,exit,raise} --fail-step 2 --steps 4
+    python tests/fault_script.py --mode {none,sleep,kill,exit,raise,leave} --fail-step 2 --steps 4
 
 At step `--fail-step`, rank WORLD_SIZE-1 sleeps forever in the forward of blocks.1 (sleep),
 SIGKILLs itself there (kill), calls os._exit in that block's backward (exit), or raises there
-(raise); the other ranks run the script unchanged. With --ckpt-dir every rank saves a
+(raise), or leaves its training loop before that step and ends normally (leave); the other ranks
+run the script unchanged. With --ckpt-dir every rank saves a
 checkpoint after each step (`step-N`: N steps done), and mode kill_in_save SIGKILLs that rank
 inside the save of step-`fail-step`, after its shards are written and before the checkpoint is
 published; --resume starts from the directory's latest checkpoint. Each rank prints
@@ -79,7 +80,8 @@ def _kill_after_writing_shards() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="none",
-                        choices=["none", "sleep", "kill", "exit", "raise", "kill_in_save"])
+                        choices=["none", "sleep", "kill", "exit", "raise", "leave",
+                                 "kill_in_save"])
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--fail-step", type=int, default=2)
@@ -106,7 +108,10 @@ def main() -> None:
     per_rank = GLOBAL_BATCH // world
     failing = rank == world - 1 and args.mode != "none"
     for step in range(first, args.steps):
-        if step == args.fail_step and failing and args.mode != "kill_in_save":
+        if step == args.fail_step and failing and args.mode == "leave":
+            print("LEFT", flush=True)  # e.g. its data loader ran out a batch early
+            break
+        if step == args.fail_step and failing and args.mode not in ("kill_in_save", "leave"):
             _inject(model[1], args.mode)
         x, y = (t[rank * per_rank:(rank + 1) * per_rank] for t in make_batch(step))
         loss = loss_of(model, x, y)

@@ -7,7 +7,9 @@ the first failure and hide a hang.
 """
 from __future__ import annotations
 
+import datetime
 import re
+import time
 
 import pytest
 import torch
@@ -50,66 +52,124 @@ class TwoHeads(nn.Module):
         return self.a(h), self.b(h)
 
 
-def _sharded(model: nn.Module, children) -> nn.Module:
+def _sharded(model: nn.Module, children, group) -> nn.Module:
     for child in children:
-        fsdp_ext.fully_shard(child)
-    return fsdp_ext.fully_shard(model)
+        fsdp_ext.fully_shard(child, process_group=group)
+    return fsdp_ext.fully_shard(model, process_group=group)
 
 
-def _diverged_lines(message: str) -> dict[int, str]:
-    """rank -> what it was about to issue, from a CollectiveMismatchError message."""
+def _fresh_group(world_size: int):
+    """A process group of its own for each scenario: after a mismatch, collectives that paired
+    with the wrong partner may still be in flight on the scenario's group (the run would end
+    there); the short timeout ends them."""
+    return dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=20))
+
+
+def _accounts(message: str) -> dict[int, str]:
+    """rank -> the collective it was at, from a CollectiveMismatchError message."""
     return {int(r): what for r, what in re.findall(r"^  rank (\d+): (.*)$", message, re.M)}
 
 
+def _expect_divergence(rank: int, world_size: int, run, unit: str) -> None:
+    """`run()` must raise CollectiveMismatchError on every rank within 60 s, with every rank's
+    account; the last rank (the divergent one) must stand apart from the others, which agree, and
+    a unit whose name starts with `unit` must be named on one side."""
+    start = time.monotonic()
+    with pytest.raises(fsdp_ext.CollectiveMismatchError) as info:
+        run()
+    message = str(info.value)
+    assert time.monotonic() - start < 60, message
+    accounts = _accounts(message)
+    assert sorted(accounts) == list(range(world_size)), message
+    assert "no account" not in message, message
+    assert message.startswith(f"rank {rank}: ranks diverged"), message
+    last = accounts[world_size - 1]
+    others = {accounts[r] for r in range(world_size - 1)}
+    assert len(others) == 1 and last not in others, message
+    assert f"unit '{unit}" in last or f"unit '{unit}" in next(iter(others)), message
+
+
 def check_skipped_unit_in_forward(rank: int, world_size: int, at_step: int) -> None:
-    """The last rank skips blocks.1 at step `at_step` (0: first step; 1: with prefetch running)."""
+    """The last rank skips blocks.1 at step `at_step` (0: first step; later: prefetch running)."""
     torch.manual_seed(0)
     model = Branchy()
-    _sharded(model, model.blocks)
+    _sharded(model, model.blocks, _fresh_group(world_size))
     x = torch.randn(4, 8)
     for _ in range(at_step):
         model(x).sum().backward()
     skip = 1 if rank == world_size - 1 else None
-    with pytest.raises(fsdp_ext.CollectiveMismatchError) as info:
-        model(x, skip=skip).sum().backward()
-    lines = _diverged_lines(str(info.value))
-    assert sorted(lines) == list(range(world_size)), str(info.value)
-    assert str(info.value).startswith(f"rank {rank}: ranks diverged"), str(info.value)
-    # The ranks that ran blocks.1 say so; the skipping rank names the unit it went to instead.
-    for r in range(world_size - 1):
-        assert "unit 'blocks.1'" in lines[r], str(info.value)
-    assert "unit 'blocks.1'" not in lines[world_size - 1], str(info.value)
+    _expect_divergence(rank, world_size, lambda: model(x, skip=skip).sum().backward(),
+                       "blocks.1")
+
+
+def check_swapped_units(rank: int, world_size: int) -> None:
+    """At step 3 the last rank runs blocks.2 before blocks.1: equal sizes, so the collectives
+    match in shape and would exchange each other's data without the tags."""
+    torch.manual_seed(0)
+    model = Branchy()
+    _sharded(model, model.blocks, _fresh_group(world_size))
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        model(x).sum().backward()
+
+    def swapped():
+        h = torch.tanh(model.blocks[0](x))
+        if rank == world_size - 1:
+            h = torch.tanh(model.blocks[1](torch.tanh(model.blocks[2](h))))
+        else:
+            h = torch.tanh(model.blocks[2](torch.tanh(model.blocks[1](h))))
+        model.head(h).sum().backward()
+    # Called outside the root's forward, so the root unit is gathered by hand first (as a
+    # registered method would).
+    model.unshard()
+    _expect_divergence(rank, world_size, swapped, "blocks.")
+
+
+def check_extra_micro_batch(rank: int, world_size: int) -> None:
+    """Gradient accumulation: the last rank runs one more no-sync micro-batch than the others."""
+    torch.manual_seed(0)
+    model = Branchy()
+    _sharded(model, model.blocks, _fresh_group(world_size))
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+
+    def accumulate():
+        micro = 3 if rank == world_size - 1 else 2
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            model(x).sum().backward()
+    _expect_divergence(rank, world_size, accumulate, "blocks.")
 
 
 def check_divergence_in_backward(rank: int, world_size: int) -> None:
-    """Same forward everywhere; the last rank's loss ignores head b, so its backward skips b."""
+    """Same forward everywhere; the last rank's loss ignores head b (a detached branch), so its
+    backward never reaches b."""
     torch.manual_seed(0)
     model = TwoHeads()
-    _sharded(model, [model.a, model.b])
+    _sharded(model, [model.a, model.b], _fresh_group(world_size))
+    for _ in range(2):
+        ya, yb = model(torch.randn(4, 8))
+        (ya.sum() + yb.sum()).backward()
     ya, yb = model(torch.randn(4, 8))  # no error yet: the forwards agree
     loss = ya.sum() if rank == world_size - 1 else ya.sum() + yb.sum()
-    with pytest.raises(fsdp_ext.CollectiveMismatchError) as info:
-        loss.backward()
-    lines = _diverged_lines(str(info.value))
-    assert sorted(lines) == list(range(world_size)), str(info.value)
-    for r in range(world_size - 1):
-        assert "unit 'b'" in lines[r], str(info.value)
-    assert "unit 'b'" not in lines[world_size - 1], str(info.value)
+    _expect_divergence(rank, world_size, loss.backward, "b")
 
 
 def check_matching_ranks_pass(rank: int, world_size: int) -> None:
     """The checks must not fire when ranks agree (data differs per rank, units do not)."""
     torch.manual_seed(0)
     model = Branchy()
-    _sharded(model, model.blocks)
-    for step in range(3):
+    _sharded(model, model.blocks, _fresh_group(world_size))
+    for step in range(30):
         model(torch.randn(4, 8) + rank, skip=step % 3).sum().backward()
 
 
 def divergence_worker(rank: int, world_size: int) -> None:
     check_matching_ranks_pass(rank, world_size)
-    for at_step in (0, 1):
+    for at_step in (0, 2, 20):
         check_skipped_unit_in_forward(rank, world_size, at_step)
+    check_swapped_units(rank, world_size)
+    check_extra_micro_batch(rank, world_size)
     check_divergence_in_backward(rank, world_size)
     dist.barrier()
 
@@ -123,37 +183,64 @@ def test_divergence_raises_on_every_rank(world_size):
 DEADLINE_S = 150  # launch to exit, imports included; the scripts' process-group timeout is 600 s
 SURVIVOR_ERROR = re.compile(
     r"CollectiveError: rank (\d+): (?:(?:all_gather|reduce_scatter) of unit '[^']*'"
-    r"|peers did not reach call #\d+: \w+ of unit '[^']*')")
+    r"|peers did not (?:reach|finish) (?:all_gather|reduce_scatter|all_reduce) #\d+ of unit "
+    r"'[^']*')")
 
 
-def _assert_survivors_report(results: dict, world_size: int) -> list[str]:
+def _assert_survivors_report(results: dict, world_size: int, budget_s: float = 60.0) -> list[str]:
+    """Every rank but the last exits with a CollectiveError naming itself and the collective,
+    within `budget_s` of launch (imports included); returns their messages (first lines and the
+    per-rank lines below them)."""
     messages = []
     for rank in range(world_size - 1):
         result = results[rank]
         assert result.returncode is not None, (
             f"rank {rank} still running {DEADLINE_S} s after launch:\n{result.output[-3000:]}")
         assert result.returncode != 0, f"rank {rank} exited 0:\n{result.output[-3000:]}"
+        assert result.seconds < budget_s, (result.seconds, result.output[-3000:])
         match = SURVIVOR_ERROR.search(result.output)
         assert match and int(match.group(1)) == rank, result.output[-3000:]
         assert "DONE" not in result.output
-        messages.append(result.output[match.start():].splitlines()[0])
+        messages.append(result.output[match.start():])
     return messages
 
 
-@pytest.mark.parametrize("fail_step,check_iterations,where", [
-    (1, "2", "peers did not reach"),        # fingerprints on: blocked in the exchange
-    (2, "0", "failed (collective_timeout 3 s)"),  # fingerprints off: blocked in a collective
-], ids=["fingerprints-on", "fingerprints-off"])
-def test_blocked_rank_times_out(fail_step, check_iterations, where):
+def _names_last_rank(message: str, world_size: int) -> bool:
+    last = world_size - 1
+    return (f"rank(s) [{last}] stopped issuing collectives" in message
+            and f"  rank {last}: not waiting on this group; last record: iteration" in message)
+
+
+@pytest.mark.parametrize("fail_step,checks,where", [
+    (1, "on", "peers did not reach"),                  # tags on: blocked on a tag
+    (2, "off", "failed (collective_timeout 3 s)"),     # tags off: blocked in a collective
+], ids=["tags-on", "tags-off"])
+def test_blocked_rank_times_out(fail_step, checks, where):
     world_size = 2
-    env = {"FSDP_EXT_COLLECTIVE_TIMEOUT_S": "3", "FSDP_EXT_CHECK_ITERATIONS": check_iterations}
+    env = {"FSDP_EXT_COLLECTIVE_TIMEOUT_S": "3", "FSDP_EXT_CHECK": checks}
     with Ranks(["tests/fault_script.py", "--mode", "sleep", "--fail-step", str(fail_step)],
                world_size, env) as ranks:
         results = ranks.wait(range(world_size - 1), DEADLINE_S)
         messages = _assert_survivors_report(results, world_size)
         assert all(where in m for m in messages), messages
+        if checks == "on":  # the sleeper is named, with where it last was
+            assert all(_names_last_rank(m, world_size) for m in messages), messages
         sleeper = ranks.wait([world_size - 1], 0)[world_size - 1]
         assert sleeper.returncode is None, "the sleeping rank should still be asleep"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_leaving_the_loop_early_is_named(world_size):
+    """The last rank's loop ends a step before the others' (it exits cleanly): the others raise
+    within 60 s, naming it and the last iteration it recorded, at the default wait budget."""
+    with Ranks(["tests/fault_script.py", "--mode", "leave", "--fail-step", "2"],
+               world_size) as ranks:
+        results = ranks.wait(range(world_size), DEADLINE_S)
+        assert results[world_size - 1].returncode == 0, results[world_size - 1].output
+        assert "LEFT" in results[world_size - 1].output
+        messages = _assert_survivors_report(results, world_size)
+        assert all(_names_last_rank(m, world_size) for m in messages), messages
+        assert all("iteration 2: backward finished" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("mode,world_size,exit_code", [
@@ -165,10 +252,10 @@ def test_dead_rank_ends_survivors(mode, world_size, exit_code):
     with Ranks(["tests/fault_script.py", "--mode", mode, "--fail-step", "2"], world_size) as ranks:
         results = ranks.wait(range(world_size), DEADLINE_S)
         assert results[world_size - 1].returncode == exit_code, results[world_size - 1].output
-        _assert_survivors_report(results, world_size)
+        messages = _assert_survivors_report(results, world_size)
+        assert all(_names_last_rank(m, world_size) for m in messages), messages
 
 
-# ---- the checkpoint a dead rank leaves behind -------------------------------------------------------
 def _reference_losses(steps: int) -> list[float]:
     """The unwrapped model trained in this process on the whole batch: the uninterrupted run."""
     from .fault_script import build_model, loss_of, make_batch, make_optimizer

@@ -37,16 +37,23 @@ TIMEOUT_ENV = "FSDP_EXT_COLLECTIVE_TIMEOUT_S"
 ISSUE_THREAD_ENV = "FSDP_EXT_ISSUE_THREAD"  # "0": CPU all-gathers are issued by the compute thread
 
 
+DEFAULT_TIMEOUT_S = 300.0
+
+
 def collective_timeout(seconds: float | datetime.timedelta | None = None) -> datetime.timedelta | None:
     """How long a wait on one of our collectives may block: the argument, else the environment
-    variable FSDP_EXT_COLLECTIVE_TIMEOUT_S, else None (only the process group's own timeout, 30 min
-    by default, applies). A bound shorter than that turns a peer that stopped issuing collectives
-    (stuck, dead, or in a different branch) into a CollectiveError that names the unit."""
+    variable FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s (well under the process group's own
+    timeout: 30 min for gloo, 10 min for NCCL, so that the runtime, which knows the units and
+    the other ranks' progress, reports first). A peer that stopped issuing collectives (stuck,
+    dead, or in a different branch) becomes a CollectiveError naming it. 0 or "none": no bound
+    but the process group's."""
     if seconds is None:
-        seconds = os.environ.get(TIMEOUT_ENV) or None
-    if seconds is None or isinstance(seconds, datetime.timedelta):
+        seconds = os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S
+    if isinstance(seconds, str) and seconds.lower() == "none":
+        return None
+    if isinstance(seconds, datetime.timedelta):
         return seconds
-    return datetime.timedelta(seconds=float(seconds))
+    return datetime.timedelta(seconds=float(seconds)) if float(seconds) > 0 else None
 
 
 def wait_work(work, timeout: datetime.timedelta | None) -> None:
@@ -180,10 +187,15 @@ class Pending:
     label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
     timeout: datetime.timedelta | None = None         # see collective_timeout()
     job: object = None                                # queued on the issue thread (_C._IssuedGather)
+    tags: list = field(default_factory=list)          # fingerprints.Tag: verified before the data
 
     def wait(self, host: bool = False) -> None:
         """Make the results usable: by the current stream of `device`, or with `host` by the host
-        (which then blocks until the side stream's work is done)."""
+        (which then blocks until the side stream's work is done). The collectives' tags are
+        checked first: a divergent rank raises here, before any of the data is used."""
+        tags, self.tags = self.tags, []
+        for tag in tags:
+            tag.verify(self.timeout)
         try:
             if self.job is not None:  # issued and waited for in one call, without the GIL
                 job, self.job = self.job, None
@@ -191,6 +203,8 @@ class Pending:
             for work in self.works:
                 wait_work(work, self.timeout)
         except Exception as exc:  # a dead peer or a timeout: say which collective it was
+            if tags:  # and which ranks stopped, and where they last were
+                tags[-1].checker.report_stalled(tags[-1], self.timeout, exc, verb="finish")
             rank = dist.get_rank() if dist.is_initialized() else 0
             bound = f" (collective_timeout {self.timeout.total_seconds():g} s)" if self.timeout else ""
             raise CollectiveError(
@@ -221,21 +235,24 @@ class Streams:
             self.reduce_scatter = streams.new_stream(device, priority=-1, name="reduce_scatter")
 
     def launch(self, stream_name: str, fn, keep_alive: list[torch.Tensor], label: str = "",
-               after_event=None) -> Pending:
+               after_event=None, tags=None) -> Pending:
         """Run `fn(async_op) -> list of work handles` as collectives in flight; return their record.
 
         With side streams `fn` runs on the side stream (allocations included) after that stream
         waited for the compute stream, so it sees every earlier write and may reuse memory freed
         before this call. `keep_alive` holds whatever `fn` reads or writes that another stream
         allocated, until the record is waited on. `after_event` (FSDPModule.set_post_optim_event):
-        the side stream waits for that event instead of the whole compute stream.
+        the side stream waits for that event instead of the whole compute stream. `tags()` issues
+        the collectives' tag exchanges (fingerprints.py) right before `fn`, on the same stream.
         """
         if not self.side:
+            issued = [t for t in (tags() if tags is not None else ()) if t is not None]
             try:
                 works = [w for w in fn(True) if w is not None]
             except Exception as exc:
                 raise CollectiveError(f"rank {dist.get_rank()}: {label} failed: {exc}") from exc
-            return Pending(works=works, keep_alive=keep_alive, label=label, timeout=self.timeout)
+            return Pending(works=works, keep_alive=keep_alive, label=label, timeout=self.timeout,
+                           tags=issued)
         stream = getattr(self, stream_name)
         if after_event is not None:
             streams.wait_event(stream, after_event)
@@ -243,9 +260,11 @@ class Streams:
             streams.wait_stream(stream, streams.current_stream(self.device))
         with streams.use_stream(stream):
             streams.inject_delay(stream)
+            issued = [t for t in (tags() if tags is not None else ()) if t is not None]
             fn(False)
             event = streams.record_event(stream)
-        return Pending(event=event, device=self.device, keep_alive=keep_alive, label=label)
+        return Pending(event=event, device=self.device, keep_alive=keep_alive, label=label,
+                       timeout=self.timeout, tags=issued)
 
 # torch 2.14 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

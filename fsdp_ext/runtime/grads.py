@@ -111,16 +111,20 @@ def reduce_bucket(unit, index: int, grads) -> None:
         return [w for w in works if w is not None]
 
     checker = unit.schedule.checker
-    checker.check(groups.shard, "reduce_scatter", unit.name, index, flat_numel(bucket), reduce_dtype)
-    if all_reduce:
-        checker.check(groups.replicate, "all_reduce", unit.name, index, bucket.shard_numel,
-                      reduce_dtype)
+
+    def tags() -> list:
+        issued = [checker.issue(groups.reduce_scatter, "reduce_scatter", unit.name,
+                                [(flat_numel(bucket), reduce_dtype)], "backward")]
+        if all_reduce:
+            issued.append(checker.issue(groups.replicate, "all_reduce", unit.name,
+                                        [(bucket.shard_numel, reduce_dtype)], "backward"))
+        return issued
     unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
     with profiler_range("reduce_scatter", unit.name):
         pending = unit.schedule.streams.launch(
             "reduce_scatter", collectives, keep_alive=[],
-            label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}")
+            label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}", tags=tags)
     RECORDER.add("reduce_scatter.issued", unit.name)  # launched: gradients packed, collective queued
     # With side streams the pack runs on the reduce-scatter stream, so the gradients and the no_sync
     # accumulator it reads (allocated by the compute stream) are held until the compute stream has

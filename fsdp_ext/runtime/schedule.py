@@ -43,7 +43,9 @@ class Schedule:
             self.streams = shared.setdefault("streams", comm.Streams(root.groups.device, timeout))
         else:
             self.streams = comm.Streams(root.groups.device, timeout)
-        self.checker = CollectiveChecker(root.groups.device, timeout=timeout)
+        self.checker = CollectiveChecker(root.groups.device, timeout=timeout,
+                                         side_streams=self.streams.side)
+        self.prefetching = False  # set while _prefetch issues all-gathers (their tags say so)
         self.forward_order: list[Unit] = []
         self._position: dict[Unit, int] = {}   # unit -> index in forward_order (prefetch lookups)
         self._recording: dict[Unit, None] = {}  # insertion-ordered set: this forward's units
@@ -144,6 +146,12 @@ class Schedule:
     def in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
+    def phase(self) -> str:
+        """Where an all-gather is issued from, for its tag's description."""
+        where = ("backward" if self.in_backward() else "forward" if self.in_forward
+                 else "outside forward/backward")
+        return f"{where} prefetch" if self.prefetching else where
+
     def backward_started(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
@@ -195,6 +203,7 @@ class Schedule:
             unit.use_sharded_params()
             unit.reset_backward_state()
         self._backward_queued = False
+        self.checker.backward_finished()
         self._report_idle_units()
         RECORDER.add("backward.finalize", self.root.name)
 
@@ -280,7 +289,11 @@ class Schedule:
             if limit is not None and unit.transient and self.transient_unsharded() >= limit:
                 RECORDER.add("prefetch.skipped", unit.name)
                 break
-            unit.unshard()
+            self.prefetching = True
+            try:
+                unit.unshard()
+            finally:
+                self.prefetching = False
 
     def max_in_flight(self) -> int | None:
         if not self.options["limit_in_flight"]:

@@ -171,9 +171,11 @@ class Unit:
         else:
             group, slot = self.groups.shard, self.groups.shard_rank
         schedule = self.schedule or Schedule.create_standalone(self)  # unshard() before forward
-        for i, bucket in enumerate(self.buckets):
-            schedule.checker.check(group, "all_gather", self.name, i, bucket.full_numel,
-                                   self.full[i].dtype)
+        sizes = [(bucket.full_numel, full.dtype) for bucket, full in zip(self.buckets, self.full)]
+
+        def tags():
+            return [schedule.checker.issue(group, "all_gather", self.name, sizes,
+                                           schedule.phase())]
         RECORDER.add("all_gather.issue", self.name)
         label = f"all_gather of unit '{self.name or '<root>'}'"
         with profiler_range("all_gather", self.name):
@@ -185,9 +187,13 @@ class Unit:
                     sources += chunks[i] if chunks is not None else gather.sources(bucket,
                                                                                    bucket.shard)
                 self._copy_out_after_wait = targets
+                # The tag goes on `group`, issued by this thread; the data on the issue thread's
+                # own group: each group's collectives keep one order on every rank.
+                issued = [t for t in tags() if t is not None]
                 self.pending_unshard = comm.issue_all_gather(
                     [t for ts in targets for t in ts], sources, slot,
                     comm.issue_thread_group(group), label, schedule.streams.timeout)
+                self.pending_unshard.tags = issued
             else:
                 # With side streams the copy-in reads the post-forward chunks (allocated by the
                 # compute stream) on the all-gather stream: they are held until it is waited for.
@@ -195,7 +201,8 @@ class Unit:
                     "all_gather",
                     lambda async_op: self._all_gather_fn(chunks, group, slot, async_op),
                     keep_alive=[c for cs in chunks or () for c in cs], label=label,
-                    after_event=schedule.take_post_optim_event() if self.is_root else None)
+                    after_event=schedule.take_post_optim_event() if self.is_root else None,
+                    tags=tags)
                 if self.offload is not None and chunks is None:  # read the host shards
                     schedule.host_read_event = self.pending_unshard.event
         RECORDER.add("all_gather.issued", self.name)  # launched: collective queued
