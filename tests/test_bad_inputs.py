@@ -38,9 +38,10 @@ def _loss(model, x):
 
 
 def _collectives_issued(model) -> int:
-    """Fingerprinted collectives so far (every all-gather / reduce-scatter while checks are on)."""
+    """Tagged collectives so far, over every group (each all-gather / reduce-scatter / all-reduce
+    while the tags are on)."""
     schedule = units_of(model)[0].schedule
-    return schedule.checker.sequence if schedule is not None else 0
+    return sum(schedule.checker.sequences.values()) if schedule is not None else 0
 
 
 # ---- wrapping -------------------------------------------------------------------------------------

@@ -104,8 +104,8 @@ def _hold_nothing(original):
         def extend(self, items):  # planted: nothing is kept for the side stream
             pass
 
-    def launch(self, stream_name, fn, keep_alive, label="", after_event=None):
-        pending = original(self, stream_name, fn, [], label, after_event)
+    def launch(self, stream_name, fn, keep_alive, label="", after_event=None, tags=None):
+        pending = original(self, stream_name, fn, [], label, after_event, tags)
         pending.keep_alive = Forgetful()
         return pending
     return launch
