@@ -39,6 +39,7 @@ from .state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .state.load_optim_state_dict import load_optim_state_dict
 from .state.load_state_dict import load_full_state_dict
 from .state.optim_state_dict import optim_state_dict
+from .state.pretrained import load_pretrained
 from .state.safetensors_io import export_safetensors
 from .state.state_dict import full_state_dict, sharded_state_dict
 from .state.summon import summon_full_params
@@ -61,7 +62,7 @@ __all__ = [
     # state dicts and checkpoints
     "full_state_dict", "sharded_state_dict", "load_full_state_dict", "optim_state_dict",
     "load_optim_state_dict", "save_checkpoint", "load_checkpoint", "CheckpointError",
-    "export_safetensors",
+    "export_safetensors", "load_pretrained",
     # planning and diagnostics
     "plan", "describe", "memory_report", "check_optimizer", "empty_cache",
     # errors
