@@ -106,7 +106,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
         limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
         collective_timeout: seconds a rank waits on one of this root's collectives before raising
             CollectiveError naming the unit (read by the root; default: the environment variable
-            FSDP_EXT_COLLECTIVE_TIMEOUT_S, else only the process group's timeout).
+            FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s; 0: only the process group's timeout).
         check_finite_grads: raise NonFiniteGradientError naming the unit, parameter and rank as
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
