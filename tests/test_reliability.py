@@ -205,10 +205,10 @@ def _assert_survivors_report(results: dict, world_size: int, budget_s: float = 6
     return messages
 
 
-def _names_last_rank(message: str, world_size: int) -> bool:
+def _names_last_rank(message: str, world_size: int, how: str = "gone: no heartbeat") -> bool:
     last = world_size - 1
     return (f"rank(s) [{last}] stopped issuing collectives" in message
-            and f"  rank {last}: not waiting on this group; last record: iteration" in message)
+            and f"  rank {last}: {how}" in message and "; last record: iteration" in message)
 
 
 @pytest.mark.parametrize("fail_step,checks,where", [
@@ -224,7 +224,8 @@ def test_blocked_rank_times_out(fail_step, checks, where):
         messages = _assert_survivors_report(results, world_size)
         assert all(where in m for m in messages), messages
         if checks == "on":  # the sleeper is named, with where it last was
-            assert all(_names_last_rank(m, world_size) for m in messages), messages
+            assert all(_names_last_rank(m, world_size, "alive, in its own code")
+                       for m in messages), messages
         sleeper = ranks.wait([world_size - 1], 0)[world_size - 1]
         assert sleeper.returncode is None, "the sleeping rank should still be asleep"
 

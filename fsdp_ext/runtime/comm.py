@@ -196,6 +196,9 @@ class Pending:
         tags, self.tags = self.tags, []
         for tag in tags:
             tag.verify(self.timeout)
+        checker = tags[-1].checker if tags else None
+        if checker is not None:  # the heartbeat says where this rank is blocked
+            checker.waiting_at = tags[-1].description
         try:
             if self.job is not None:  # issued and waited for in one call, without the GIL
                 job, self.job = self.job, None
@@ -209,6 +212,9 @@ class Pending:
             bound = f" (collective_timeout {self.timeout.total_seconds():g} s)" if self.timeout else ""
             raise CollectiveError(
                 f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
+        finally:
+            if checker is not None:
+                checker.waiting_at = None
         self.works = []
         if self.event is not None:
             # The waiting stream (or the host) is ordered after the collective before its tensors

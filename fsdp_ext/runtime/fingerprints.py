@@ -13,10 +13,13 @@ the process group's store and reads the others' (bounded), so the error names, f
 collective it was at. See [Note: tags beside the data] for why the tag is a collective of its own.
 
 Every wait is bounded (comm.collective_timeout: 300 s by default, well under the process group's
-own timeout). When a tag does not arrive in time, each rank reads the others' progress records
-(written to the store twice per iteration, one forward of the root: as it starts and at the end
-of backward) and raises
-CollectiveError naming the ranks that are behind and where they last were.
+own timeout). A daemon thread keeps a heartbeat per rank in the store (every 0.5 s: the time, and
+the collective the rank is blocked on, if any). When a wait ends without an answer (the bound, or
+a peer's broken connection), the rank reads the other members' heartbeats: those waiting on a
+collective too are fine; one alive in its own code (stuck) or without a fresh heartbeat (exited,
+died) has stopped issuing collectives, and the CollectiveError names it with its last progress
+record (written twice per iteration, one forward of the root: as it starts and when backward
+ends).
 
 `FSDP_EXT_CHECK=off` turns the tags off; it exists to measure what they cost (docs/benchmarks.md).
 After a CollectiveMismatchError the process group may hold mismatched collectives in flight: the
@@ -39,7 +42,9 @@ import datetime
 import hashlib
 import itertools
 import os
+import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -49,7 +54,35 @@ from .errors import CollectiveError, CollectiveMismatchError
 
 CHECK_ENV = "FSDP_EXT_CHECK"
 _NAMESPACES = itertools.count()  # checkers made in this process, in the same order on every rank
-_STORE_WAIT_S = 10.0  # how long to wait for the other ranks' records after a failure
+_STORE_WAIT_S = 10.0  # how long to wait for the other ranks' accounts of a mismatch
+_HEARTBEAT_PERIOD_S = 0.5
+_HEARTBEAT_STALE_S = 2.5  # a heartbeat older than this: the process is gone
+_HEARTBEAT_GRACE_S = 3.0  # after a stall, how long to let running peers start waiting
+# The heartbeat thread and the training thread share the store's one client connection, which
+# must not carry two requests at once.
+_STORE_LOCK = threading.Lock()
+
+
+class _LockedStore:
+    """The process group's store, one request at a time; `get` only of keys that exist (a
+    TCPStore `get` of a missing key waits for it)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def set(self, key: str, value: str) -> None:
+        with _STORE_LOCK:
+            self.store.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        with _STORE_LOCK:
+            return self.store.check(keys)
+
+    def get(self, key: str) -> bytes:
+        with _STORE_LOCK:
+            if not self.store.check([key]):
+                raise KeyError(key)
+            return self.store.get(key)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -75,7 +108,7 @@ def _poll(store, keys: list[str], seconds: float) -> bool:
 
 def _store():
     try:
-        return dist.distributed_c10d._get_default_store()
+        return _LockedStore(dist.distributed_c10d._get_default_store())
     except Exception:  # no default group (single process without init): no records to keep
         return None
 
@@ -100,6 +133,7 @@ class Tag:
 
     def _check(self, timeout: datetime.timedelta | None) -> None:
         self.checked = True
+        self.checker.waiting_at = self.description
         try:
             if self.work is not None:
                 if timeout is None:
@@ -110,6 +144,8 @@ class Tag:
                 streams.synchronize(self.event)
         except Exception as exc:
             self.checker.report_stalled(self, timeout, exc)
+        finally:
+            self.checker.waiting_at = None
         everyone = self.everyone.tolist()
         if all(t == everyone[0] for t in everyone):
             return
@@ -129,8 +165,13 @@ class CollectiveChecker:
         self.step = 0
         self.sequences: dict[str, int] = {}
         self.outstanding: dict[str, collections.deque] = {}  # per group: tags not checked yet
+        self._group_keys: dict[int, tuple] = {}  # id(group) -> (key, size, group)
         self.last = "nothing yet"  # the last collective this rank issued, for progress records
         self.store = _store() if self.enabled else None
+        self.waiting_at: str | None = None  # the collective this rank is blocked on, if any
+        if self.store is not None:
+            self.beat()  # at once: a rank may fail before the thread's first beat
+            _HEARTBEAT.add(self)
 
     # ---- progress records -------------------------------------------------------------------------
     def _record(self, where: str) -> None:
@@ -138,8 +179,8 @@ class CollectiveChecker:
             return
         try:
             self.store.set(f"{self.namespace}/progress/{dist.get_rank()}",
-                           f"iteration {self.step}: {where} (the last collective it had issued then: "
-                           f"{self.last})")
+                           f"iteration {self.step}: {where} (the last collective it had issued "
+                           f"then: {self.last})")
         except Exception:  # the store lives on rank 0: if it is gone the collectives say so
             self.store = None
 
@@ -157,8 +198,10 @@ class CollectiveChecker:
         before the data collective, on the same stream)."""
         if group is None or not self.enabled:
             return None
-        ranks = dist.get_process_group_ranks(group)
-        key = "-".join(map(str, ranks))
+        if (known := self._group_keys.get(id(group))) is None:  # the group stays referenced
+            ranks = dist.get_process_group_ranks(group)
+            known = self._group_keys[id(group)] = ("-".join(map(str, ranks)), len(ranks), group)
+        key, size, _ = known
         sequence = self.sequences.get(key, 0) + 1
         self.sequences[key] = sequence
         shape = ", ".join(f"{n} x {str(d).replace('torch.', '')}" for n, d in sizes)
@@ -168,7 +211,7 @@ class CollectiveChecker:
         # Not the iteration: a forward that issues nothing (every unit already gathered) on one
         # rank would shift it without any divergence in the collectives themselves.
         mine = torch.tensor([_hash(what)], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(len(ranks), dtype=torch.int64, device=self.device)
+        everyone = torch.empty(size, dtype=torch.int64, device=self.device)
         if self.side_streams:
             _all_gather_flat(everyone, mine, group=group, async_op=False)
             tag = Tag(self, group, key, sequence, description, mine, everyone, None,
@@ -217,45 +260,41 @@ class CollectiveChecker:
             "used:\n" + "\n".join(lines))
 
     def report_stalled(self, tag: Tag, timeout, exc: Exception, verb: str = "reach") -> None:
-        """The tag did not arrive (timeout) or a peer's connection broke. Every rank that ends up
-        here says what it is waiting for; a member that does not within a short grace is behind
-        (stuck in its own code, dead, or done with its collectives), and its last progress
-        record says where it was."""
+        """The tag did not arrive (timeout) or a peer's connection broke. Each member's heartbeat
+        (the store, refreshed every half second by a thread) says whether it is waiting on a
+        collective too, alive in its own code, or gone; the ones not waiting are named, with their
+        last progress record."""
         ranks = dist.get_process_group_ranks(tag.group)
         me = dist.get_rank()
-        prefix = f"{self.namespace}/waiting/{tag.key}"
-        waiting, progress = {me: tag.description}, {}
-        if self.store is not None:
-            try:
-                self.store.set(f"{prefix}/{me}", tag.description)
-            except Exception:
-                self.store = None
-        deadline = time.monotonic() + _STORE_WAIT_S
+        self.waiting_at = tag.description
+        self.beat()
+        states: dict[int, tuple[float | None, str]] = {}
+        deadline = time.monotonic() + _HEARTBEAT_GRACE_S
+        while self.store is not None:
+            states = {r: self._read_beat(r) for r in ranks if r != me}
+            # Alive and running: it may be about to wait; give its heartbeat a moment.
+            if time.monotonic() >= deadline or not any(
+                    age is not None and age < _HEARTBEAT_STALE_S and state == "running"
+                    for age, state in states.values()):
+                break
+            time.sleep(0.2)
+        lines, behind = [], []
         for r in ranks:
-            if r == me or self.store is None:
+            if r == me:
+                lines.append(f"  rank {r}: waiting at {tag.description}")
                 continue
-            try:
-                left = max(0.1, deadline - time.monotonic())
-                if not _poll(self.store, [f"{prefix}/{r}"], left):
-                    raise LookupError
-                waiting[r] = self.store.get(f"{prefix}/{r}").decode()
-            except Exception:
-                try:
-                    progress[r] = self.store.get(f"{self.namespace}/progress/{r}").decode()
-                except Exception:
-                    progress[r] = "no progress record (it never started an iteration, or the " \
-                                  "store, which lives in rank 0's process, is gone)"
-        if self.store is not None:  # stay until the other waiting ranks have read (see _exchange)
-            try:
-                self.store.set(f"{prefix}/read/{me}", "1")
-                _poll(self.store, [f"{prefix}/read/{r}" for r in waiting if r != me],
-                      max(0.1, deadline - time.monotonic()))
-            except Exception:
-                pass
-        behind = sorted(progress)
-        lines = [f"  rank {r}: waiting at {waiting[r]}" if r in waiting else
-                 f"  rank {r}: not waiting on this group; last record: {progress.get(r, '?')}"
-                 for r in ranks]
+            age, state = states.get(r, (None, "running"))
+            if state != "running":
+                gone = "" if age is not None and age < _HEARTBEAT_STALE_S else " (since gone)"
+                lines.append(f"  rank {r}: waiting at {state}{gone}")
+                continue
+            behind.append(r)
+            where = ("alive, in its own code (not waiting on a collective)"
+                     if age is not None and age < _HEARTBEAT_STALE_S else
+                     f"gone: no heartbeat for {age:.0f} s (exited or died)" if age is not None
+                     else "gone: no heartbeat (or the store in rank 0's process is gone)")
+            lines.append(f"  rank {r}: {where}; last record: {self._read_progress(r)}")
+        self._linger(tag, [r for r in ranks if r != me and r not in behind])
         timed_out = "timed out" in str(exc).lower()
         bound = (f" within {timeout.total_seconds():g} s" if timed_out and timeout is not None
                  else "" if timed_out else " (a peer's connection broke)")
@@ -264,3 +303,63 @@ class CollectiveChecker:
         raise CollectiveError(
             f"rank {me}: peers did not {verb} {tag.description}{bound}; {who} (stuck, dead, or "
             f"done with their collectives): {exc}\n" + "\n".join(lines)) from exc
+
+    # ---- heartbeat --------------------------------------------------------------------------------
+    def beat(self) -> None:
+        """Publish whether this rank is waiting on a collective (and which) or running."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"{self.namespace}/beat/{dist.get_rank()}",
+                           f"{time.time():.3f}|{self.waiting_at or 'running'}")
+        except Exception:
+            self.store = None
+
+    def _read_beat(self, rank: int) -> tuple[float | None, str]:
+        try:
+            when, state = self.store.get(f"{self.namespace}/beat/{rank}").decode().split("|", 1)
+            return time.time() - float(when), state
+        except Exception:
+            return None, "running"
+
+    def _read_progress(self, rank: int) -> str:
+        try:
+            return self.store.get(f"{self.namespace}/progress/{rank}").decode()
+        except Exception:
+            return "none (it never started an iteration, or the store is gone)"
+
+    def _linger(self, tag: Tag, readers: list[int]) -> None:
+        """Stay until the other waiting ranks have read the records too: the store lives in rank
+        0's process, which may exit as soon as it raises."""
+        if self.store is None:
+            return
+        prefix = f"{self.namespace}/read/{tag.key}"
+        try:
+            self.store.set(f"{prefix}/{dist.get_rank()}", "1")
+            _poll(self.store, [f"{prefix}/{r}" for r in readers], _HEARTBEAT_GRACE_S)
+        except Exception:
+            pass
+
+
+class _Heartbeat:
+    """One daemon thread per process refreshing every live checker's heartbeat."""
+
+    def __init__(self):
+        self.checkers: weakref.WeakSet = weakref.WeakSet()
+        self.thread: threading.Thread | None = None
+
+    def add(self, checker: "CollectiveChecker") -> None:
+        self.checkers.add(checker)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="fsdp_ext-heartbeat",
+                                           daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_HEARTBEAT_PERIOD_S)
+            for checker in list(self.checkers):
+                checker.beat()
+
+
+_HEARTBEAT = _Heartbeat()
