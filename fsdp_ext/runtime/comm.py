@@ -273,7 +273,7 @@ class Streams:
                        timeout=self.timeout, tags=issued)
 
 # torch 2.14 renamed the flat-tensor collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -281,7 +281,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: 
     """Gather every rank's `input` into `output` (rank r's chunk at r * input.numel())."""
     if output.device.type == "cpu":
         return _all_gather_by_broadcasts(output, input, group, async_op)
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
+    return all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 class _Works:

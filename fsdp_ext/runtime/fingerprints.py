@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import streams
+from .comm import all_gather_flat, wait_work
 from .errors import CollectiveError, CollectiveMismatchError
 
 CHECK_ENV = "FSDP_EXT_CHECK"
@@ -83,7 +84,6 @@ class _LockedStore:
             if not self.store.check([key]):
                 raise KeyError(key)
             return self.store.get(key)
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def checks_enabled() -> bool:
@@ -136,10 +136,7 @@ class Tag:
         self.checker.waiting_at = self.description
         try:
             if self.work is not None:
-                if timeout is None:
-                    self.work.wait()
-                else:
-                    self.work.wait(timeout)
+                wait_work(self.work, timeout)
             if self.event is not None:  # on the collective's stream: the host reads the tags
                 streams.synchronize(self.event)
         except Exception as exc:
@@ -213,11 +210,11 @@ class CollectiveChecker:
         mine = torch.tensor([_hash(what)], dtype=torch.int64, device=self.device)
         everyone = torch.empty(size, dtype=torch.int64, device=self.device)
         if self.side_streams:
-            _all_gather_flat(everyone, mine, group=group, async_op=False)
+            all_gather_flat(everyone, mine, group=group, async_op=False)
             tag = Tag(self, group, key, sequence, description, mine, everyone, None,
                       streams.record_event(streams.current_stream(self.device)))
         else:
-            work = _all_gather_flat(everyone, mine, group=group, async_op=True)
+            work = all_gather_flat(everyone, mine, group=group, async_op=True)
             tag = Tag(self, group, key, sequence, description, mine, everyone, work, None)
         self.outstanding.setdefault(key, collections.deque()).append(tag)
         return tag
@@ -235,13 +232,9 @@ class CollectiveChecker:
             for r in ranks:
                 if r != dist.get_rank() and _poll(self.store, [f"{prefix}/{r}"], _STORE_WAIT_S):
                     accounts[r] = self.store.get(f"{prefix}/{r}").decode()
-            # Stay until the others have read too: the store lives in rank 0's process, which
-            # may exit as soon as it raises.
-            self.store.set(f"{prefix}/read/{dist.get_rank()}", "1")
-            _poll(self.store, [f"{prefix}/read/{r}" for r in ranks if r != dist.get_rank()],
-                  _STORE_WAIT_S)
         except Exception:  # a rank that never wrote: say so below
             pass
+        self._linger(f"{prefix}/read", [r for r in ranks if r != dist.get_rank()], _STORE_WAIT_S)
         return accounts
 
     def report_mismatch(self, tag: Tag) -> None:
@@ -294,7 +287,8 @@ class CollectiveChecker:
                      f"gone: no heartbeat for {age:.0f} s (exited or died)" if age is not None
                      else "gone: no heartbeat (or the store in rank 0's process is gone)")
             lines.append(f"  rank {r}: {where}; last record: {self._read_progress(r)}")
-        self._linger(tag, [r for r in ranks if r != me and r not in behind])
+        self._linger(f"{self.namespace}/read/{tag.key}",
+                     [r for r in ranks if r != me and r not in behind], _HEARTBEAT_GRACE_S)
         timed_out = "timed out" in str(exc).lower()
         bound = (f" within {timeout.total_seconds():g} s" if timed_out and timeout is not None
                  else "" if timed_out else " (a peer's connection broke)")
@@ -328,15 +322,15 @@ class CollectiveChecker:
         except Exception:
             return "none (it never started an iteration, or the store is gone)"
 
-    def _linger(self, tag: Tag, readers: list[int]) -> None:
-        """Stay until the other waiting ranks have read the records too: the store lives in rank
-        0's process, which may exit as soon as it raises."""
+    def _linger(self, prefix: str, readers: list[int], seconds: float) -> None:
+        """Say this rank has read the records (`prefix`/rank) and stay until `readers` have too,
+        for up to `seconds`: the store lives in rank 0's process, which may exit as soon as it
+        raises."""
         if self.store is None:
             return
-        prefix = f"{self.namespace}/read/{tag.key}"
         try:
             self.store.set(f"{prefix}/{dist.get_rank()}", "1")
-            _poll(self.store, [f"{prefix}/{r}" for r in readers], _HEARTBEAT_GRACE_S)
+            _poll(self.store, [f"{prefix}/{r}" for r in readers], seconds)
         except Exception:
             pass
 
