@@ -348,7 +348,12 @@ def check_refused(rank, world):
     _raises(lambda: model.set_allocate_memory_from_process_group_for_comm(True),
             "set_allocate_memory_from_process_group_for_comm")
     model.set_allocate_memory_from_process_group_for_comm(False)  # the default: accepted
-    _raises(lambda: fsdp_ext.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)]), "list of modules")
+    outer = nn.Sequential(nn.Linear(2, 2))
+    _raises(lambda: fsdp_ext.fully_shard([outer, outer[0]]), "module 1 (Linear) is inside module 0",
+            exc=ValueError)
+    pair = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    fsdp_ext.fully_shard(pair)
+    _raises(lambda: pair[0](torch.ones(1, 2)), "cannot be the root")
     _raises(lambda: fsdp_ext.fully_shard(nn.Linear(2, 2),
                                          dp_mesh_dims=torch_fsdp.DataParallelMeshDims(
                                              shard="dp", replicate="rep")),
@@ -386,6 +391,95 @@ def check_fully_shard_arguments(rank, world):
         pin_memory=False))
 
 
+def _list_units_script(fsdp, rank, world, steps=3):
+    """GPT with untied head; blocks sharded one by one, the embeddings and the final norm + head
+    as two lists (accelerate's FSDP2 does the latter), then the root. Returns (losses, parameters,
+    full state dict, eval logits, model)."""
+    model = scripts.build()
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard([model.wte, model.wpe])
+    fsdp.fully_shard([model.ln_f, model.lm_head])
+    fsdp.fully_shard(model)
+    opt = scripts.adamw(model)
+    losses = []
+    for step in range(steps):
+        idx = scripts.batch(step, rank, world)
+        loss = model(idx, idx)
+        loss.backward()
+        losses.append(float(scripts.full(loss.detach())))
+        opt.step()
+        opt.zero_grad()
+    params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        logits = model(scripts.batch(0, rank, world))
+    return losses, params, state, logits, model
+
+
+def check_list_units(rank, world):
+    """fully_shard([m1, m2]) (its `module` argument a list): training, parameter names, state dict and no-grad forward equal to
+    torch's; both members are one unit gathered by one all-gather per use, and unshard() on a
+    member gathers the other too (as torch's)."""
+    (l_t, p_t, s_t, o_t, _), (l_o, p_o, s_o, o_o, model) = (
+        _list_units_script(f, rank, world) for f in FRAMEWORKS)
+    torch.testing.assert_close(l_o, l_t, **FP32)
+    assert list(p_o) == list(p_t) and list(s_o) == list(s_t), (list(p_o), list(s_o))
+    for name, value in {**p_t, **s_t}.items():
+        torch.testing.assert_close({**p_o, **s_o}[name], value, **FP32, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(o_o, o_t, **FP32)
+    unit = model.ln_f._unit
+    assert model.lm_head._unit is unit and unit.name == "[ln_f, lm_head]", unit.name
+    assert isinstance(model.ln_f, torch_fsdp.FSDPModule) and isinstance(model.lm_head, nn.Linear)
+    idx = scripts.batch(0, rank, world)
+    with recording() as events:
+        model(idx, idx).backward()
+    for name in ("[wte, wpe]", "[ln_f, lm_head]"):
+        issued = [e for e in events if e.kind == "all_gather.issue" and e.unit == name]
+        forwards = [e for e in events if e.kind == "forward.begin" and e.unit == name]
+        assert len(forwards) == 1 and len(issued) <= 2, (name, len(forwards), len(issued))
+    model.lm_head.unshard()
+    assert not isinstance(model.ln_f.weight, DTensor) and model.ln_f.weight.shape == (24,)
+    model.lm_head.reshard()
+    assert isinstance(model.ln_f.weight, DTensor)
+    partial = [_partial_list_script(f, rank, world) for f in FRAMEWORKS]
+    torch.testing.assert_close(partial[1], partial[0], **FP32)
+
+
+class _TwoHeads(nn.Module):
+    """`b` runs only when asked; `a` under activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x, use_b):
+        x = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+        return self.c(self.b(x) if use_b else x)
+
+
+def _partial_list_script(fsdp, rank, world):
+    """A list unit one of whose members does not run in some steps (torch completes its
+    post-forward at the root's), its other member recomputed in backward: the losses."""
+    torch.manual_seed(0)
+    net = _TwoHeads()
+    fsdp.fully_shard([net.a, net.b])
+    fsdp.fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for step in range(4):
+        x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))[rank::world]
+        loss = net(x, use_b=step % 2 == 1).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            losses.append(float(net(x, use_b=step % 2 == 0).sum()))
+    return losses
+
+
 def check_units_that_never_run(rank, world):
     """A container whose forward never runs (a ModuleList given to fully_shard) fails at the first
     child's call, naming it (torch's fails in DTensor dispatch); a unit skipped in a step is named
@@ -416,7 +510,7 @@ def check_units_that_never_run(rank, world):
             for _ in range(2):
                 net(torch.ones(2, 4), use_b).sum().backward()
         said = [str(w.message) for w in caught if "took no part in this step" in str(w.message)]
-        expected = [] if use_b else ["unit 'b' (FSDPLinear)"]
+        expected = [] if use_b else ["unit 'b' (Linear)"]
         assert len(said) == len(expected) and all(e in m for e, m in zip(expected, said)), said
         assert (net.b.weight.grad is None) != use_b and net.a.weight.grad is not None
 
@@ -425,7 +519,7 @@ CHECKS = [check_is_torch_fsdp_module, check_unshard_and_reshard, check_explicit_
           check_accumulation_knobs, check_reduction_knobs, check_replicas_defer_all_reduce,
           check_unshard_in_backward, check_reset_iter_state, check_forward_methods,
           check_ignored_params_and_policies, check_comm_ctx_and_post_optim_event, check_refused,
-          check_units_that_never_run, check_fully_shard_arguments]
+          check_units_that_never_run, check_fully_shard_arguments, check_list_units]
 
 
 def _worker(rank, world):

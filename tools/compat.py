@@ -69,6 +69,7 @@ CHECKS = {
     "f2.refused": (F2, "check_refused"),
     "f2.arguments": (F2, "check_fully_shard_arguments"),
     "f2.never_run": (F2, "check_units_that_never_run"),
+    "f2.lists": (F2, "check_list_units"),
     "meta": (TL, "check_meta_init"),
     "sync": (TL, "check_summon_and_sync_module_states"),
 }
@@ -131,9 +132,8 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
     "fully_shard(ignored_params)": (TESTED, "f2.ignored", ""),
     "fully_shard(dp_mesh_dims)": (REFUSED, "f2.refused",
                                   "pass the data-parallel sub-mesh as mesh= instead"),
-    "fully_shard(module)": (PARTLY, "f2.refused",
-                            "one module; a list of modules as one unit is refused: shard them "
-                            "separately or group them under one parent module"),
+    "fully_shard(module)": (TESTED, "f2.lists",
+                            "a module, or a list of modules sharded as one unit"),
     # ---- FSDPModule methods ----
     "FSDPModule.reshard": (TESTED, "f2.unshard", ""),
     "FSDPModule.unshard": (TESTED, "f2.unshard", ""),
@@ -333,8 +333,9 @@ DIFFERENCES = [
     "and full state dicts, and `fully_shard` models use DTensor state dicts as torch's FSDP2.",
     "A parameter tied across two units (shared by modules sharded separately) is refused at "
     "wrap time, naming both; torch's FSDP1 silently gives it to one unit.",
-    "`fully_shard([m1, m2])` (a list as one unit) is refused: shard each, or group them under "
-    "one parent module.",
+    "A list of modules given to `fully_shard` cannot be the root (the first unit to run "
+    "forward): it is refused at that forward, naming the modules; shard the model that contains "
+    "them too, as torch's bottom-up order does.",
     "`set_reshard_after_backward(False)` keeps the gathered buffers, but after backward the "
     "registered parameters are the sharded DTensors again (torch leaves the unsharded "
     "tensors registered); the next forward reuses the gathered data without an all-gather.",

@@ -56,7 +56,7 @@ class _StateView:
 
 def _units_under(module: nn.Module, recurse: bool) -> list[Unit]:
     modules = module.modules() if recurse else [module]
-    return [u for m in modules if (u := unit_of(m)) is not None]
+    return list(dict.fromkeys(u for m in modules if (u := unit_of(m)) is not None))
 
 
 def _fsdp_units(modules, method: str) -> list[Unit]:
@@ -66,7 +66,7 @@ def _fsdp_units(modules, method: str) -> list[Unit]:
             raise ValueError(f"{method}: expects FSDPModules (modules given to fully_shard), got "
                              f"{type(module).__name__}")
         units.append(unit)
-    return units
+    return list(dict.fromkeys(units))  # the modules of one list unit name it once
 
 
 class FSDPModule(_TorchFSDPModule):

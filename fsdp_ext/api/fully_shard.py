@@ -69,14 +69,17 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
     return groups
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
+                reshard_after_forward: bool | int | None = None,
                 shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None,
                 dp_mesh_dims=None, process_group=None, param_init_fn=None,
                 forward_prefetch: int = 1, backward_prefetch: int = 1, limit_in_flight: bool = True,
                 collective_timeout: float | None = None,
                 check_finite_grads: bool | None = None) -> nn.Module:
-    """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit.
+    """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit;
+    a list of modules is one unit (one all-gather and one reduce-scatter for all of them), as in
+    torch. Returns its argument.
 
     Apply it bottom-up: to each block first, then to the model (the root). As with torch's
     fully_shard, each parameter becomes a DTensor parameter (Shard(0) on the mesh's shard
@@ -85,7 +88,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
     class becomes a subclass of FSDPModule.
 
     Args:
-        module: the module to shard; its parameters must all be on one device.
+        module: the module to shard, or a list of modules (none inside another) to shard
+            together; their parameters must all be on one device.
         mesh: a 1-D DeviceMesh (shard) or 2-D (replicate, shard) for HSDP. Default: the world.
         process_group: FSDP1-style alternative to `mesh`: a group, or (shard, replicate) groups.
         reshard_after_forward: True frees parameters after forward and regathers them in backward;
@@ -111,15 +115,12 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard([m1, m2, ...]): a list of modules as one unit is not implemented; apply "
-            "fully_shard to their common parent, or to each of them")
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             "fully_shard(dp_mesh_dims=...): pass the data-parallel sub-mesh as `mesh` instead "
             "(mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
-    _check_placements(module, shard_placement_fn)
+    for member in _members(module):
+        _check_placements(member, shard_placement_fn)
     return shard_module(
         module, layout="rows", mesh=mesh, process_group=process_group,
         reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy(mp_policy),
@@ -128,6 +129,23 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
         limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
         check_finite_grads=check_finite_grads)
+
+
+def _members(module) -> list[nn.Module]:
+    """fully_shard's argument as a list of modules, checked."""
+    if not isinstance(module, (list, tuple)):
+        return [module]
+    members = list(module)
+    if not members or not all(isinstance(m, nn.Module) for m in members):
+        raise ValueError(f"fully_shard: expects a module or a non-empty list of modules, got "
+                         f"[{', '.join(type(m).__name__ for m in members)}]")
+    for i, outer in enumerate(members):
+        for j, inner in enumerate(members):
+            if i != j and any(m is inner for m in outer.modules()):
+                raise ValueError(
+                    f"fully_shard([...]): module {j} ({type(inner).__name__}) is inside module "
+                    f"{i} ({type(outer).__name__}) of the same list; list each module once")
+    return members
 
 
 def _check_placements(module: nn.Module, shard_placement_fn) -> None:
@@ -155,23 +173,27 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
     """fully_shard's work, for both public APIs: `layout` "rows" (fully_shard: DTensor
     parameters) or "flat" (FullyShardedDataParallel: FSDP1's flat views); the option objects are
     already read (api/options.py). `direct_min_numel` (rows: which parameters are gathered
-    directly, runtime/layout.py) is for benchmarks."""
-    if unit_of(module) is not None:
-        raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
-    for name, sub in module.named_modules():
-        if name and (sub_unit := unit_of(sub)) is not None and sub_unit.schedule is not None:
-            raise ValueError(f"submodule '{name}' already ran forward; shard before the first forward")
-    device = _device_for(module, mesh.device_type if mesh is not None else None,
+    directly, runtime/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
+    members = _members(module)
+    for member in members:
+        if unit_of(member) is not None:
+            raise ValueError(f"{type(member).__name__} is already sharded by fully_shard")
+        for name, sub in member.named_modules():
+            if name and (sub_unit := unit_of(sub)) is not None and sub_unit.schedule is not None:
+                raise ValueError(f"submodule '{name}' already ran forward; shard before the first "
+                                 "forward")
+    together = members[0] if len(members) == 1 else nn.ModuleList(members)  # (not kept)
+    device = _device_for(together, mesh.device_type if mesh is not None else None,
                          offload_policy is not None)
     if (device.type != "cpu" and offload_policy is None
-            and any(p.device != device and not p.is_meta for p in module.parameters())):
-        module.to(device)
+            and any(p.device != device and not p.is_meta for p in together.parameters())):
+        together.to(device)
     if offload_policy is not None and device.type != "cpu":  # shards stay on the host, buffers move
-        for sub in module.modules():
+        for sub in together.modules():
             for name, buf in sub._buffers.items():
                 if buf is not None:
                     sub._buffers[name] = buf.to(device)
-    check_mesh_and_groups(module, mesh, process_group)
+    check_mesh_and_groups(members[0], mesh, process_group)
     groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
@@ -181,14 +203,15 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
     unit_options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
                         limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
                         check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
-    unit = Unit(module, groups, mp_policy, reshard_after_forward, unit_options, offload_policy,
+    unit = Unit(members, groups, mp_policy, reshard_after_forward, unit_options, offload_policy,
                 param_init_fn, layout=layout, mesh=mesh,
                 ignored_params={id(p) for p in ignored_params or ()})
-    module.__dict__[UNIT_ATTR] = unit
-    install_state_dict_hooks(module)
-    cls = module.__class__
-    if not isinstance(module, FSDPModule):
-        if cls not in _FSDP_CLASSES:
-            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        module.__class__ = _FSDP_CLASSES[cls]
+    for member in members:
+        member.__dict__[UNIT_ATTR] = unit
+        install_state_dict_hooks(member)
+        cls = member.__class__
+        if not isinstance(member, FSDPModule):
+            if cls not in _FSDP_CLASSES:
+                _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            member.__class__ = _FSDP_CLASSES[cls]
     return module

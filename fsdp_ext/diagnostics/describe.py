@@ -48,9 +48,10 @@ def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
         keep = "kept (last to run forward: backward starts with it)"
     else:
         keep = "freed"
-    lines = [f"unit '{name or 'root'}' ({type(unit.module).__name__.removeprefix('FSDP')}): "
+    lines = [f"unit '{name or 'root'}' ({unit.type_name}): "
              f"{len(unit.buckets)} bucket(s); after forward: {keep}"]
-    module_names = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+    module_names = {id(m): n for member in unit.members
+                    for n, m in member.named_modules(remove_duplicate=False)}
     sharded = unsharded = 0
     for i, (bucket, full) in enumerate(zip(unit.buckets, unit.full)):
         layout = bucket.layout
@@ -66,13 +67,15 @@ def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
             f"{len(layout.groups)} all-gather(s), {copied} param(s) copied out")
         lines.append(f"            per rank: sharded {_bytes(shard_bytes)}, unsharded "
                      f"{_bytes(full_bytes)} as {_dtype(full.dtype)}")
-        width = max(len(slot.fqn) for slot in bucket.slots)
-        for index, slot in enumerate(bucket.slots):
+        names = [slot.fqn if len(unit.members) == 1 else unit.param_name(slot)
+                 for slot in bucket.slots]
+        width = max(map(len, names))
+        for index, (slot, slot_name) in enumerate(zip(bucket.slots, names)):
             lo, hi = layout.local_range(index)
             tied = [_joined(module_names.get(id(m), type(m).__name__), a)
                     for m, a in slot.locations[1:]]
             lines.append(
-                f"    {slot.fqn:<{width}}  {str(list(slot.shape)):<14} {_dtype(bucket.dtype):<9} "
+                f"    {slot_name:<{width}}  {str(list(slot.shape)):<14} {_dtype(bucket.dtype):<9} "
                 f"requires_grad={str(slot.param.requires_grad):<5}  shard offset {lo:>9,}  "
                 f"this rank {hi - lo:>8,}" + (f"  tied: {', '.join(tied)}" if tied else ""))
     return lines, sharded, unsharded

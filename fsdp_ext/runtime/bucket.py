@@ -28,11 +28,12 @@ class ParamSlot:
     """One distinct parameter of a bucket and every (module, attribute) that refers to it."""
 
     param: nn.Parameter                        # what the modules hold while sharded
-    fqn: str                                   # first name under the unit's module
+    fqn: str                                   # first name under its module (the member)
     locations: list[tuple[nn.Module, str]]     # tied weights have several
     shape: torch.Size                          # the shape sharded here (global, or TP-local)
     replaced: object = lambda: None            # weak reference to what `param` replaced, if any
     tp_spec: object = None                     # a tensor-parallel DTensor's spec (its TP mesh)
+    member: int = 0                            # which of the unit's modules holds it (lists)
 
     @property
     def numel(self) -> int:

@@ -40,7 +40,7 @@ def raise_if_nonfinite(unit, index: int, flags: torch.Tensor) -> None:
     for j, slot in enumerate(unit.buckets[index].slots):
         ranks = table[:, j].nonzero().flatten().tolist()
         if ranks:
-            name = f"{unit.name}.{slot.fqn}" if unit.name else slot.fqn
+            name = unit.param_name(slot)
             bad.append(f"'{name}' (rank{'s' if len(ranks) > 1 else ''} "
                        f"{', '.join(map(str, ranks))})")
     raise NonFiniteGradientError(

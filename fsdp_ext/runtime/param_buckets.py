@@ -23,17 +23,18 @@ from .registry import unit_of
 OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
 
 
-def build_buckets(module: nn.Module, groups: comm.Groups, layout: str, mesh,
+def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
                   direct_min_numel: int, ignored: set[int] = frozenset()) -> list[Bucket]:
-    """Group the parameters this unit owns (not those of child units, nor the `ignored` ids) by
-    (dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`, rows are
-    DTensors on it)."""
-    slots = _owned_slots(module, layout, ignored)
+    """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
+    ids) by (dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`, rows
+    are DTensors on it)."""
+    slots = _owned_slots(modules, layout, ignored)
     by_key: dict[tuple, list[ParamSlot]] = {}
     for slot in slots:  # visit order: a module's own parameters, then its children's
         by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
     for slot in slots:
-        setattr(slot.param, OWNER_ATTR, f"{type(module).__name__} (parameter '{slot.fqn}')")
+        setattr(slot.param, OWNER_ATTR,
+                f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
     buckets = []
     world, rank = groups.shard_size, groups.shard_rank
     for (dtype, requires_grad), bucket_slots in by_key.items():
@@ -82,12 +83,15 @@ def _replace_with_dtensors(bucket: Bucket, shard: torch.Tensor) -> None:
         slot.param = param
 
 
-def _owned_slots(module: nn.Module, layout: str, ignored: set[int]) -> list[ParamSlot]:
+def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int]) -> list[ParamSlot]:
+    """The distinct parameters of `modules` outside child units, in module order; a slot's name
+    is relative to the member that holds it (the first, for a parameter tied across members)."""
     slots: dict[int, ParamSlot] = {}
     child_owner: dict[int, str] = {}
-    stack = [(module, "")]
+    stack = [(module, "", member) for member, module in reversed(list(enumerate(modules)))]
     while stack:
-        mod, prefix = stack.pop()
+        mod, prefix, member = stack.pop()
+        module = modules[member]
         for attr, param in mod._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -106,10 +110,10 @@ def _owned_slots(module: nn.Module, layout: str, ignored: set[int]) -> list[Para
                     f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
             _check_param(param, fqn, module, layout)
             if dtensor_params.is_dtensor(param):  # tensor parallel: shard its local tensor
-                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)],
-                                             param.to_local().shape, tp_spec=param._spec)
+                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.to_local().shape,
+                                             tp_spec=param._spec, member=member)
             else:
-                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape)
+                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape, member=member)
         for name, child in reversed(list(mod._modules.items())):
             if child is None:
                 continue
@@ -121,7 +125,7 @@ def _owned_slots(module: nn.Module, layout: str, ignored: set[int]) -> list[Para
                         if (original := slot.replaced()) is not None:
                             child_owner[id(original)] = prefix + name + "." + slot.fqn
                 continue
-            stack.append((child, prefix + name + "."))
+            stack.append((child, prefix + name + ".", member))
     for pid, owner in child_owner.items():
         if pid in slots:
             raise ValueError(f"parameter '{slots[pid].fqn}' is shared with '{owner}', which "

@@ -16,5 +16,6 @@ def unit_of(module: nn.Module):
 
 
 def units_of(model: nn.Module) -> list:
-    """Every unit in `model`'s module tree, in module order (the root's first)."""
-    return [u for m in model.modules() if (u := unit_of(m)) is not None]
+    """Every unit in `model`'s module tree, in module order (the root's first); a unit of a list
+    of modules once, where its first member in that order is."""
+    return list(dict.fromkeys(u for m in model.modules() if (u := unit_of(m)) is not None))

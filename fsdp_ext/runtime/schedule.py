@@ -78,7 +78,12 @@ class Schedule:
 
     @classmethod
     def create(cls, root: Unit) -> "Schedule":
-        units = []
+        if len(root.members) > 1:
+            raise NotImplementedError(
+                f"fully_shard([...]) of {root.type_name} ran forward before any module containing "
+                "them: a list of modules cannot be the root; apply fully_shard to the model that "
+                "contains them too (after the list, as torch's fully_shard is applied bottom-up)")
+        units: dict[Unit, None] = {}  # a list unit is reached once per member
         for name, module in root.module.named_modules():
             unit = unit_of(module)
             if unit is None:
@@ -87,8 +92,16 @@ class Schedule:
                 raise RuntimeError(
                     f"unit '{name}' already ran forward under another root; apply fully_shard "
                     "to every submodule before the first forward of the model")
-            unit.name = name
-            units.append(unit)
+            for member, other in enumerate(unit.members):
+                if other is module:
+                    unit.member_names[member] = name
+            units.setdefault(unit)
+        for unit in units:
+            if len(unit.members) == 1:
+                unit.name = unit.member_names[0]
+            else:
+                unit.name = "[" + ", ".join(unit.member_names) + "]"
+        units = list(units)
         schedule = cls(root, units)
         for unit in units:
             unit.schedule = schedule
@@ -104,6 +117,7 @@ class Schedule:
             unit.reshard()
         self.kept_for_backward = []
         for unit in self.units:  # users edit models between steps: check before any collective
+            unit.members_to_run.clear()  # a list unit some of whose members did not run
             unit.check_params_unchanged()
             unit.post_forward_chunks = None  # kept by a forward whose backward never ran
         for unit in self.units:
@@ -120,6 +134,9 @@ class Schedule:
 
     def root_post_forward(self) -> None:
         self.in_forward = False
+        for unit in self.units:
+            if unit.members_to_run:  # a list unit some of whose members did not run
+                unit.finish_forward()
         if self._recording:
             self.forward_order = list(self._recording)
             self._position = {unit: i for i, unit in enumerate(self.forward_order)}
@@ -218,7 +235,7 @@ class Schedule:
             if any(bucket.requires_grad for bucket in unit.buckets):
                 self._reported_idle.add(unit)
                 warnings.warn(
-                    f"fsdp_ext: unit '{unit.name or '<root>'}' ({type(unit.module).__name__}) took "
+                    f"fsdp_ext: unit '{unit.name or '<root>'}' ({unit.type_name}) took "
                     "no part in this step (its forward never ran), so its parameters got no "
                     "gradient; said once per unit", stacklevel=2)
 

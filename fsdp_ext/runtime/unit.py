@@ -64,22 +64,28 @@ class _UnshardedViews(torch.autograd.Function):
 
 
 class Unit:
-    """Args beyond the obvious: `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard,
+    """Args beyond the obvious: `module` is one module, or a list of modules sharded together
+    (torch's `fully_shard([m1, m2])`: one all-gather and one reduce-scatter for all of them; the
+    pre-forward runs at the first of them to run, the post-forward once all of them ran); `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard,
     DTensor parameters on `mesh`, else on a mesh made from `groups`); `param_init_fn` materialises
     meta parameters here (the flat layout always does, with reset_parameters() by default; the rows
     layout leaves them on meta until the user's `to_empty`, as torch's fully_shard does);
     `ignored_params` (ids) stay plain parameters of the module, never sharded or reduced."""
 
-    def __init__(self, module: nn.Module, groups: comm.Groups, mp: MixedPrecisionPolicy,
+    def __init__(self, module: nn.Module | list[nn.Module], groups: comm.Groups,
+                 mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int | None, options: dict,
                  offload: CPUOffloadPolicy | None = None, param_init_fn=None,
                  layout: str = "flat", mesh=None, ignored_params: set[int] = frozenset()):
-        self.module = module
+        self.members = list(module) if isinstance(module, (list, tuple)) else [module]
+        self.module = self.members[0]    # the unit's module (a list's first)
         self.groups = groups
         self.mp = mp
         self.reshard_after_forward = reshard_after_forward  # None: True unless root
         self.options = options           # schedule options, read by the root
         self.name = ""                   # fully qualified name, set by the root at lazy init
+        self.member_names = [""] * len(self.members)  # each member's, likewise
+        self.members_to_run: set[int] = set()  # a list's members yet to run in this forward
         self.schedule: Schedule | None = None
         self.is_root = False
         self.requires_gradient_sync = True
@@ -96,12 +102,13 @@ class Unit:
         self.summoned = False                # inside summon_full_params
         self.offload = offload
         if layout == "flat" or param_init_fn is not None:
-            materialize_meta_modules(_owned_modules(module), groups.device, param_init_fn)
+            materialize_meta_modules([m for member in self.members for m in _owned_modules(member)],
+                                     groups.device, param_init_fn)
         self.mesh = (dtensor_params.storage_mesh(mesh, groups.shard, groups.replicate, groups.device)
                      if layout == "rows" else None)
         direct_min_numel = options.get("direct_min_numel") or int(
             os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
-        self.buckets = build_buckets(module, groups, layout, self.mesh, direct_min_numel,
+        self.buckets = build_buckets(self.members, groups, layout, self.mesh, direct_min_numel,
                                      ignored_params)
         self.full: list[torch.Tensor] = []
         self.full_data: list[torch.Tensor] = []
@@ -117,18 +124,18 @@ class Unit:
         # The hooks run eagerly under torch.compile (a graph break at each unit boundary, as
         # torch's FSDP2 skips its hooks): they issue collectives and resize storages, which
         # graphs with dynamic shapes cannot hold, and they decide per step what to gather.
-        self._handles = [
-            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward),
-                                             prepend=True, with_kwargs=True),
-            module.register_forward_hook(torch.compiler.disable(self._post_forward),
-                                         with_kwargs=True),
-        ]
+        pre, post = ((self._pre_forward, self._post_forward) if len(self.members) == 1
+                     else (self._member_pre_forward, self._member_post_forward))
+        self._handles = [handle for member in self.members for handle in (
+            member.register_forward_pre_hook(torch.compiler.disable(pre), prepend=True,
+                                             with_kwargs=True),
+            member.register_forward_hook(torch.compiler.disable(post), with_kwargs=True))]
         # Submodules holding this unit's parameters say so when called while they are sharded
         # (outside the unit's forward), instead of failing with a shape error deep in torch.
         holders = {id(m): m for b in self.buckets for s in b.slots for m, _ in s.locations}
         check = torch.compiler.disable(self._check_params_gathered)
-        self._handles += [m.register_forward_pre_hook(check)
-                          for m in holders.values() if m is not module]
+        self._handles += [m.register_forward_pre_hook(check) for m in holders.values()
+                          if not any(m is member for member in self.members)]
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _init_sharded_state(self) -> None:
@@ -155,6 +162,16 @@ class Unit:
     def transient(self) -> bool:
         """Freed between uses, so it counts towards the in-flight bound."""
         return self.reshards_after_forward
+
+    def param_name(self, slot) -> str:
+        """A parameter's name in the model (known once the root has named the units)."""
+        prefix = self.member_names[slot.member]
+        return f"{prefix}.{slot.fqn}" if prefix else slot.fqn
+
+    @property
+    def type_name(self) -> str:
+        """The class name of the unit's module (of each module, for a list), for messages."""
+        return "+".join(type(m).__name__.removeprefix("FSDP") for m in self.members)
 
     # ---- unshard / reshard -------------------------------------------------------------------------
     def unshard(self, async_op: bool = True) -> None:
@@ -250,7 +267,7 @@ class Unit:
             return
         for bucket in self.buckets:
             for slot, view in zip(bucket.slots, bucket.shard_views):
-                name = f"{self.name}.{slot.fqn}" if self.name else slot.fqn
+                name = self.param_name(slot)
                 for module, attr in slot.locations:
                     if module._parameters.get(attr) is not slot.param:
                         raise RuntimeError(
@@ -275,7 +292,7 @@ class Unit:
         for bucket in self.buckets:
             if bucket.shard.is_meta:
                 raise RuntimeError(
-                    f"unit '{self.name or '<root>'}' ({type(self.module).__name__}) still has its "
+                    f"unit '{self.name or '<root>'}' ({self.type_name}) still has its "
                     f"parameters (e.g. '{bucket.slots[0].fqn}') on the meta device: call "
                     "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) "
                     "before the first forward, as with torch's fully_shard")
@@ -341,12 +358,14 @@ class Unit:
     def _check_params_gathered(self, module, args) -> None:
         if self.params_in_use or self.summoned:
             return
-        owned = [n for n, m in self.module.named_modules() if m is module]
-        name = f"'{self.name}.{owned[0]}'" if self.name and owned and owned[0] else (
-            f"'{owned[0]}'" if owned and owned[0] else "a submodule")
+        owned = [(prefix, n) for prefix, member in zip(self.member_names, self.members)
+                 for n, m in member.named_modules() if m is module]
+        prefix, owned = owned[0] if owned else ("", "")
+        name = f"'{prefix}.{owned}'" if prefix and owned else (
+            f"'{owned}'" if owned else "a submodule")
         raise RuntimeError(
             f"{type(module).__name__} {name} was called while its parameters are sharded: they "
-            f"belong to the unit of {type(self.module).__name__} ('{self.name or '<root>'}'), "
+            f"belong to the unit of {self.type_name} ('{self.name or '<root>'}'), "
             "whose forward is not running. A module outside forward() (e.g. the encoder that "
             "generate() calls) needs the method that calls it registered: "
             "fsdp_ext.register_fsdp_forward_method(model, 'generate') (FullyShardedDataParallel: "
@@ -452,6 +471,42 @@ class Unit:
         if self.is_root:
             schedule.root_post_forward()
         return output
+
+    def _member_pre_forward(self, module, args, kwargs):
+        """A list unit: its first member to run in a forward does the unit's pre-forward; the
+        others, whose parameters are then gathered, only cast their inputs. (Recomputation in
+        backward runs per member: the pre-forward is idempotent there.)"""
+        schedule = self.schedule
+        recomputing = schedule is not None and not schedule.standalone and schedule.in_backward()
+        if self.members_to_run and not recomputing:
+            return cast_floating((args, kwargs), self._input_dtype())
+        if not recomputing:
+            self.members_to_run = {id(m) for m in self.members}
+        return self._pre_forward(module, args, kwargs)
+
+    def _member_post_forward(self, module, args, kwargs, output):
+        """A list unit: the post-forward once every member ran; before that, each output gets the
+        output dtype and the pre-backward hook (backward may reach it first)."""
+        if id(module) not in self.members_to_run:  # recomputation, or a member called again
+            return self._post_forward(module, args, kwargs, output) if self.schedule.in_backward() \
+                else cast_floating(output, self.mp.output_dtype)
+        self.members_to_run.discard(id(module))
+        if self.members_to_run:
+            output = cast_floating(output, self.mp.output_dtype)
+            if torch.is_grad_enabled() and not self.summoned:
+                self._register_pre_backward(output)
+            return output
+        return self._post_forward(module, args, kwargs, output)
+
+    def finish_forward(self) -> None:
+        """The root's forward ended with some members of this list unit not run: their
+        post-forward is done here (torch does the same), leaving the parameters sharded."""
+        self.members_to_run.clear()
+        if self.summoned or not self.params_in_use:
+            return
+        self.use_sharded_params()
+        if not torch.is_grad_enabled() or self.reshards_after_forward:
+            self.reshard()
 
     def _post_forward_nested(self, output):
         """The module's forward ended inside one of its registered methods (e.g. generate()

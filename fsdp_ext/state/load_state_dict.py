@@ -29,7 +29,7 @@ def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metada
     if local_metadata.get("assign_to_params_buffers"):
         raise NotImplementedError("load_state_dict(assign=True) would replace the sharded "
                                   "parameters; load without assign")
-    keys = slot_keys(unit)
+    keys = slot_keys(unit, module)
     with torch.no_grad():
         for bucket in unit.buckets:
             parts = []  # (index, this rank's part as a 1-D tensor)

@@ -69,14 +69,15 @@ def state_dict_settings(model: nn.Module, settings: StateDictSettings,
 
 
 # ---- keys -------------------------------------------------------------------------------------------
-def slot_keys(unit) -> dict[int, list[str]]:
-    """id(slot) -> every state-dict key (relative to the unit's module) that names its parameter.
+def slot_keys(unit, module: nn.Module) -> dict[int, list[str]]:
+    """id(slot) -> every state-dict key (relative to `module`, one of the unit's modules) that
+    names its parameter; none for a parameter of another module of a list unit.
 
     Tied weights have one key per (module, attribute) that holds them, as nn.Module gives; computed
     at call time because wrappers applied after sharding may change the module tree.
     """
     names: dict[int, list[str]] = {}
-    for name, module in unit.module.named_modules(remove_duplicate=False):
+    for name, module in module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name.replace(_WRAPPER_PREFIX, ""))
     keys: dict[int, list[str]] = {}
     for bucket in unit.buckets:
@@ -91,13 +92,14 @@ def post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) 
     unit = unit_of(module)
     settings = settings_of(unit)
     if settings.full:
-        _fill_full(unit, state_dict, prefix, settings)
+        _fill_full(unit, module, state_dict, prefix, settings)
     else:
-        _fill_sharded(unit, state_dict, prefix, settings.cpu_offload)
+        _fill_sharded(unit, module, state_dict, prefix, settings.cpu_offload)
 
 
-def _fill_sharded(unit, state_dict: dict, prefix: str, cpu_offload: bool) -> None:
-    keys = slot_keys(unit)
+def _fill_sharded(unit, module: nn.Module, state_dict: dict, prefix: str,
+                  cpu_offload: bool) -> None:
+    keys = slot_keys(unit, module)
     distributed = dist.is_available() and dist.is_initialized()
     for bucket in unit.buckets:
         if bucket.layout.kind == "rows":
@@ -113,8 +115,9 @@ def _fill_sharded(unit, state_dict: dict, prefix: str, cpu_offload: bool) -> Non
                     state_dict[prefix + key] = value
 
 
-def _fill_full(unit, state_dict: dict, prefix: str, settings: StateDictSettings) -> None:
-    keys = slot_keys(unit)
+def _fill_full(unit, module: nn.Module, state_dict: dict, prefix: str,
+               settings: StateDictSettings) -> None:
+    keys = slot_keys(unit, module)
     keep = not settings.rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     with torch.no_grad():
         for bucket in unit.buckets:

@@ -33,7 +33,8 @@ def _units(model: nn.Module, recurse: bool) -> list:
     for unit in units:  # units_of lists parents before their children
         if id(unit) not in inner:
             outer.append(unit)
-            inner.update(id(u) for u in units_of(unit.module) if u is not unit)
+            inner.update(id(u) for member in unit.members for u in units_of(member)
+                         if u is not unit)
     return outer
 
 
