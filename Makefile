@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 venv: $(VENV)/.installed
 
 # Builds fsdp_ext._C in place (CPU kernels always; CUDA kernels when nvcc and a CUDA torch exist,
-# unless FSDP_EXT_NO_CUDA=1). Rebuilt only when a source changes: a CUDA build takes minutes.
+# unless FSDP_EXT_NO_CUDA=1), with the integrations' extras (accelerate, Lightning) for their tests. Rebuilt only when a source changes: a CUDA build takes minutes.
 BUILT = $(VENV)/.built
 $(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
-	MAX_JOBS=$(NPROC) $(VPY) -m pip install -q --no-build-isolation -e .
+	MAX_JOBS=$(NPROC) $(VPY) -m pip install -q --no-build-isolation -e ".[accelerate,lightning]"
 	touch $@
 
 build: $(BUILT)

@@ -2,6 +2,7 @@
 
 Layers, each a subpackage that imports only those below it (tests/test_layering.py holds the table):
 
+    integrations switches for accelerate / transformers' Trainer and Lightning (import explicitly)
     api          fully_shard, FullyShardedDataParallel, wrap policies, FSDP1 option types
     state        model / optimizer state dicts, DCP checkpoints, safetensors
     planner      memory / time estimates before a launch

@@ -15,6 +15,7 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 # Layer of each part of the package; higher layers import lower ones only.
 LAYERS = {
+    "integrations": 6,      # switches for other libraries (accelerate, Lightning): optional
     "fsdp_ext": 5,          # __init__.py: the public API, re-exported
     "api": 4,
     "state": 3, "planner": 3, "diagnostics": 3,
