@@ -26,9 +26,10 @@ CFG = GPTConfig(vocab_size=67, block_size=8, n_layer=2, n_head=2, d_model=24)
 
 
 class GPTModule(L.LightningModule):
-    def __init__(self, shard_in_configure_model: bool = False):
+    def __init__(self, shard_in_configure_model: bool = False, on_meta: bool = False):
         super().__init__()
         self.shard_in_configure_model = shard_in_configure_model
+        self.on_meta = on_meta
         self.model = None
         self.losses: list[float] = []
 
@@ -36,7 +37,11 @@ class GPTModule(L.LightningModule):
         if self.model is not None:
             return
         torch.manual_seed(0)
-        self.model = GPT(CFG)
+        if self.on_meta:  # built without storage: the strategy materialises each rank's shards
+            with torch.device("meta"):
+                self.model = GPT(CFG)
+        else:
+            self.model = GPT(CFG)
         if self.shard_in_configure_model:  # ModelParallelStrategy's way: the module shards itself
             from torch.distributed.fsdp import fully_shard
             mesh = self.device_mesh["data_parallel"]
@@ -99,10 +104,10 @@ def data(n: int = 24) -> DataLoader:
 
 def fit(name: str, epochs: int, devices: int, ckpt_path: str | None = None,
         save_to: str | None = None, checkpoint: str = "sharded",
-        precision: str = "32-true") -> tuple[list[float], L.Trainer]:
+        precision: str = "32-true", on_meta: bool = False) -> tuple[list[float], L.Trainer]:
     """Fit `epochs` epochs (from `ckpt_path` if given); save a checkpoint at the end to `save_to`;
     this rank's step losses, and the trainer."""
-    module = GPTModule(shard_in_configure_model=name == "model_parallel")
+    module = GPTModule(shard_in_configure_model=name == "model_parallel", on_meta=on_meta)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy(name, checkpoint),
                         max_epochs=epochs, precision=precision, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)

@@ -2,7 +2,7 @@
 examples/lightning_fit.py against Lightning's own strategies on the same LightningModule, at
 world 2 on CPU/gloo: the same step losses as FSDPStrategy (torch's FSDP1) with the same wrap
 policy, gradient accumulation and clipping; bf16-mixed as ModelParallelStrategy with torch's
-fully_shard; resuming from a sharded (DCP folder) and a full (one file) checkpoint of its own, and
+fully_shard, and with the model built on the meta device; resuming from a sharded (DCP folder) and a full (one file) checkpoint of its own, and
 from ModelParallelStrategy's, continues with the uninterrupted run's losses."""
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def worker(rank: int, world: int, directory: str) -> None:
     bf16_ref, _ = fit("model_parallel", 1, world, precision="bf16-mixed")
     bf16_ours, _ = fit("fsdp_ext", 1, world, precision="bf16-mixed")
     torch.testing.assert_close(bf16_ours, bf16_ref, **TOL)
+
+    # built on the meta device: sharded, then each rank's rows materialised and initialised
+    meta_ref, _ = fit("model_parallel", 1, world, on_meta=True)
+    meta_ours, trainer = fit("fsdp_ext", 1, world, on_meta=True)
+    assert meta_ours[0] != ours[0]  # reset_parameters' initialisation, not GPT's own
+    torch.testing.assert_close(meta_ours, meta_ref, **TOL)
 
     for source, form in (("fsdp_ext", "sharded"), ("fsdp_ext", "full"),
                          ("model_parallel", "sharded")):

@@ -4,8 +4,9 @@
     trainer = L.Trainer(strategy=FSDPExtStrategy(auto_wrap_policy={Block}), devices=2, ...)
 
 It follows Lightning's conventions for FSDP (its `FSDPStrategy` and `ModelParallelStrategy`):
-- the model is built in `configure_model` (under `tensor_init_context`, on the meta device with
-  `Trainer.init_module(empty_init=True)`, materialised with `to_empty` + `reset_parameters`);
+- the model is built in `configure_model` or in the module's `__init__` (on the meta device under
+  `Trainer.init_module(empty_init=True)` or `torch.device("meta")`: sharded there, then each rank
+  gives storage to its own rows only, `to_empty` + the modules' `reset_parameters`);
 - sharding: the LightningModule's submodules whose class is in `auto_wrap_policy` (a set of
   classes, or torch's policy objects and callables, as FSDPStrategy takes) become units, bottom
   up, then everything else in one root unit; or `configure_model` calls fsdp_ext's `fully_shard`
@@ -94,10 +95,11 @@ class FSDPExtStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        _materialize_distributed_module(module, self.root_device)
-        module = self.precision_plugin.convert_module(module)  # dtype changes before sharding
+        # dtype changes before sharding; parameters left on the meta device get storage after it,
+        # each rank for its own rows only (to_empty, then the modules' reset_parameters)
+        module = self.precision_plugin.convert_module(self.lightning_module)
         self.model = self._shard(module)
+        _materialize_distributed_module(self.model, self.root_device)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
