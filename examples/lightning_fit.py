@@ -83,9 +83,10 @@ class CPUFSDPStrategy(FSDPStrategy):
                                         device_id=torch.device("cpu"), **self.kwargs)
 
 
-def strategy(name: str, checkpoint: str = "sharded"):
+def strategy(name: str, checkpoint: str = "sharded", policy=None):
+    """`policy`: fsdp_ext's auto_wrap_policy (default: the set {Block})."""
     if name == "fsdp_ext":
-        return FSDPExtStrategy(auto_wrap_policy={Block},
+        return FSDPExtStrategy(auto_wrap_policy={Block} if policy is None else policy,
                                save_distributed_checkpoint=checkpoint == "sharded")
     if name == "fsdp":
         return CPUFSDPStrategy(auto_wrap_policy={Block}, state_dict_type=(
@@ -104,11 +105,12 @@ def data(n: int = 24) -> DataLoader:
 
 def fit(name: str, epochs: int, devices: int, ckpt_path: str | None = None,
         save_to: str | None = None, checkpoint: str = "sharded",
-        precision: str = "32-true", on_meta: bool = False) -> tuple[list[float], L.Trainer]:
+        precision: str = "32-true", on_meta: bool = False,
+        policy=None) -> tuple[list[float], L.Trainer]:
     """Fit `epochs` epochs (from `ckpt_path` if given); save a checkpoint at the end to `save_to`;
     this rank's step losses, and the trainer."""
     module = GPTModule(shard_in_configure_model=name == "model_parallel", on_meta=on_meta)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy(name, checkpoint),
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy(name, checkpoint, policy),
                         max_epochs=epochs, precision=precision, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data(), ckpt_path=ckpt_path)

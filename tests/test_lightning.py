@@ -1,20 +1,24 @@
 """fsdp_ext's Lightning strategy (fsdp_ext.integrations.lightning.FSDPExtStrategy) on
 examples/lightning_fit.py against Lightning's own strategies on the same LightningModule, at
 world 2 on CPU/gloo: the same step losses as FSDPStrategy (torch's FSDP1) with the same wrap
-policy, gradient accumulation and clipping; bf16-mixed as ModelParallelStrategy with torch's
+policy (given as a set of classes, torch's ModuleWrapPolicy or transformer_auto_wrap_policy),
+gradient accumulation and clipping; a policy with per-module arguments refused; bf16-mixed as ModelParallelStrategy with torch's
 fully_shard, and with the model built on the meta device; resuming from a sharded (DCP folder) and a full (one file) checkpoint of its own, and
 from ModelParallelStrategy's, continues with the uninterrupted run's losses."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, transformer_auto_wrap_policy
 
 pytest.importorskip("lightning")
 
 from lightning_fit import fit  # noqa: E402  (examples/)
+from models import Block  # noqa: E402
 
 import fsdp_ext  # noqa: E402
 
@@ -32,6 +36,16 @@ def worker(rank: int, world: int, directory: str) -> None:
     assert isinstance(trainer.model, fsdp_ext.FSDPModule)
     assert isinstance(trainer.lightning_module.model.blocks[0], fsdp_ext.FSDPModule)
     torch.testing.assert_close(ours, reference, **TOL)
+    # torch's policy objects and callables pick the same units
+    for policy in (ModuleWrapPolicy({Block}),
+                   functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})):
+        again, trainer = fit("fsdp_ext", 1, world, policy=policy)
+        assert isinstance(trainer.lightning_module.model.blocks[1], fsdp_ext.FSDPModule)
+        torch.testing.assert_close(again, reference[:6], **TOL)
+    per_module = CustomPolicy(lambda m: {"reshard_after_forward": False}
+                              if isinstance(m, Block) else False)
+    with pytest.raises(NotImplementedError, match=r"Block its own arguments \['reshard_after_forward'\]"):
+        fit("fsdp_ext", 1, world, policy=per_module)
 
     bf16_ref, _ = fit("model_parallel", 1, world, precision="bf16-mixed")
     bf16_ours, _ = fit("fsdp_ext", 1, world, precision="bf16-mixed")
