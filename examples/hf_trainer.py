@@ -37,7 +37,7 @@ def build_model(tied: bool = False):
 
 
 def train(fsdp: str, steps: int, out: str, resume_from: str | None = None, tied: bool = False,
-          bf16: bool = False, ram_efficient: bool = False) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+          bf16: bool = False, ram_efficient: bool = False, checkpointing: bool = False) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
     """A Trainer run; returns this rank's micro-batch losses, the full trained parameters and the
     sharded model."""
     fsdp_ext.integrations.accelerate.enable(fsdp)  # the switch: "fsdp_ext" or "torch"
@@ -59,7 +59,9 @@ def train(fsdp: str, steps: int, out: str, resume_from: str | None = None, tied:
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                      "state_dict_type": "SHARDED_STATE_DICT",
                      # shard on the meta device, then rank 0's weights to every rank's shards
-                     "cpu_ram_efficient_loading": ram_efficient})
+                     "cpu_ram_efficient_loading": ram_efficient,
+                     # accelerate wraps each block in torch's checkpoint_wrapper before sharding
+                     "activation_checkpointing": checkpointing})
     trainer = RecordingTrainer(model=build_model(tied), args=args, train_dataset=dataset())
     trainer.train(resume_from_checkpoint=resume_from)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -78,9 +80,11 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--ram-efficient", action="store_true",
                         help="fsdp_config's cpu_ram_efficient_loading")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="fsdp_config's activation_checkpointing")
     cli = parser.parse_args()
     losses, _, model = train(cli.fsdp, cli.steps, cli.out, cli.resume_from, cli.tied, cli.bf16,
-                             cli.ram_efficient)
+                             cli.ram_efficient, cli.checkpointing)
     print(f"{type(model).__module__.split('.')[0]} sharded {type(model).__name__}; micro-batch "
           f"losses {[round(x, 5) for x in losses]}")
 

@@ -4,8 +4,9 @@ against the same scripts on torch's FSDP2, at world 2 on CPU/gloo:
 - examples/hf_trainer.py (Trainer, FSDP2 through fsdp_config, gradient accumulation and clipping,
   sharded checkpoints): the same micro-batch losses and trained parameters; resuming from either
   implementation's step-2 checkpoint continues with the same losses; tied embeddings with bf16
-  mixed precision and cpu_ram_efficient_loading (accelerate then shards [final norm, embedding,
-  head] as one list unit, on the meta device, and loads rank 0's weights);
+  mixed precision, cpu_ram_efficient_loading and activation checkpointing (accelerate then shards
+  [final norm, embedding, head] as one list unit, on the meta device, loads rank 0's weights, and
+  wraps each block in torch's checkpoint_wrapper);
 - an accelerate loop (accumulate(), clip_grad_norm_, save_state / load_state, get_state_dict);
 - what is refused (the FSDP1 path) raises at prepare(), naming the setting.
 """
@@ -61,7 +62,7 @@ def trainer_worker(rank: int, world: int, directory: str) -> None:
                                    msg=lambda m: f"resumed from {source}'s checkpoint: {m}")
         _same_params(p_resumed, p_torch, FP32, f"resumed from {source}'s checkpoint")
     tied = {name: train(name, 2, os.path.join(directory, f"tied-{name}"), tied=True, bf16=True,
-                        ram_efficient=True)
+                        ram_efficient=True, checkpointing=True)
             for name in ("torch", "fsdp_ext")}
     unit = tied["fsdp_ext"][2].lm_head._unit
     assert unit is tied["fsdp_ext"][2].model.embed_tokens._unit, unit.name
