@@ -4,8 +4,9 @@ Owns: `model.state_dict()` / `load_state_dict()` of sharded modules (state_dict.
 load_state_dict.py, hooks.py), name-keyed optimizer state dicts (optim_state_dict.py,
 load_optim_state_dict.py), the ShardedTensor description of a shard (sharded_tensor.py),
 atomic DCP checkpoints (checkpoint.py, checkpoint_files.py, checkpoint_template.py), safetensors
-export (safetensors_io.py), `summon_full_params` (summon.py), and the all-ranks-fail-together helpers
-used around file-system work (agree.py).
+export (safetensors_io.py), pretrained weights into the shards (pretrained.py, load_checks.py),
+`summon_full_params` (summon.py), names without wrapper components (names.py), and the
+all-ranks-fail-together helpers used around file-system work (agree.py).
 
 May import: runtime, ops.
 

@@ -11,8 +11,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from ..runtime.registry import units_of
-
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+from .names import unwrapped_name
 
 
 def expected_shapes(module: nn.Module) -> dict[str, torch.Size]:
@@ -21,12 +20,12 @@ def expected_shapes(module: nn.Module) -> dict[str, torch.Size]:
     original = {id(slot.param): slot.shape for unit in units_of(module) for bucket in unit.buckets
                 for slot in bucket.slots if slot.tp_spec is None}
     for name, param in module.named_parameters(remove_duplicate=False):
-        shapes[name.replace(_WRAPPER_PREFIX, "")] = original.get(id(param), param.shape)
+        shapes[unwrapped_name(name)] = original.get(id(param), param.shape)
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for name, buffer in sub._buffers.items():
             if buffer is not None and name not in sub._non_persistent_buffers_set:
                 key = f"{prefix}.{name}" if prefix else name
-                shapes[key.replace(_WRAPPER_PREFIX, "")] = buffer.shape
+                shapes[unwrapped_name(key)] = buffer.shape
     return shapes
 
 

@@ -25,9 +25,8 @@ from torch import nn
 
 from ..runtime import dtensor_params, gather
 from ..runtime.registry import units_of
+from .names import unwrapped_name
 from .sharded_tensor import flat_sharded_tensor
-
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
 @dataclass
@@ -54,7 +53,7 @@ def param_infos(model: nn.Module) -> dict[int, ParamInfo]:
         if id(param) not in where:
             raise ValueError(f"parameter '{name}' is not sharded by fsdp_ext (call fully_shard "
                              "on the root module)")
-        infos[id(param)] = ParamInfo(name.replace(_WRAPPER_PREFIX, ""), *where[id(param)])
+        infos[id(param)] = ParamInfo(unwrapped_name(name), *where[id(param)])
     return infos
 
 

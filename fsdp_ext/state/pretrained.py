@@ -29,8 +29,8 @@ from torch import nn
 
 from ..runtime.registry import units_of
 from .load_checks import expected_shapes
+from .names import unwrapped_name
 
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _INDEX = "model.safetensors.index.json"
 
 
@@ -38,12 +38,6 @@ _INDEX = "model.safetensors.index.json"
 class LoadResult:
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
-
-
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
@@ -141,10 +135,10 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
                     raise ValueError(
                         f"load_pretrained: parameter '{slot.fqn}' of unit '{unit.name or '<root>'}' "
                         "is on the meta device: call model.to_empty(device=...) first")
-    expected = {_clean(k): v for k, v in expected_shapes(module).items()}
+    expected = {unwrapped_name(k): v for k, v in expected_shapes(module).items()}
     names_of: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(_clean(name))
+        names_of.setdefault(id(param), []).append(unwrapped_name(name))
     files = _Files(checkpoint_files(path))
     result = _check(expected, list(names_of.values()), files, strict)
 
@@ -171,7 +165,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
             param.copy_(files.whole(name))
     for prefix, sub in module.named_modules():
         for attr, buffer in sub._buffers.items():
-            key = _clean(f"{prefix}.{attr}" if prefix else attr)
+            key = unwrapped_name(f"{prefix}.{attr}" if prefix else attr)
             if buffer is not None and key in files.where:
                 buffer.copy_(files.whole(key))
     return result

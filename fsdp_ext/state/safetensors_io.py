@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .agree import all_ok, on_rank0
+from .names import unwrapped_name
 from .optim_state_dict import param_infos
 from .sharded_tensor import local_param_range
 from .state_dict import sharded_state_dict
@@ -38,7 +39,6 @@ DTYPE_NAMES = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
     torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Entry:
 def collect_entries(model: nn.Module, save_tied_once: bool) -> tuple[list[Entry], dict[str, str]]:
     """The model's state-dict entries (unwrapped names), and tied aliases left out (alias -> name)."""
     infos = param_infos(model)
-    by_name = {name.replace(_WRAPPER_PREFIX, ""): p
+    by_name = {unwrapped_name(name): p
                for name, p in model.named_parameters(remove_duplicate=False)}
     entries, first_name, aliases = [], {}, {}
     for key, value in sharded_state_dict(model).items():  # no collective: keys and buffers only

@@ -22,11 +22,11 @@ from torch import nn
 
 from ..runtime import dtensor_params, gather
 from ..runtime.registry import unit_of, units_of
+from .names import unwrapped_name
 from .sharded_tensor import flat_sharded_tensor
 
 SETTINGS_ATTR = "_fsdp_ext_state_dict_settings"
 OPTIM_SETTINGS_ATTR = "_fsdp_ext_optim_state_dict_settings"
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper hides it from keys
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def slot_keys(unit, module: nn.Module) -> dict[int, list[str]]:
     """
     names: dict[int, list[str]] = {}
     for name, module in module.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name.replace(_WRAPPER_PREFIX, ""))
+        names.setdefault(id(module), []).append(unwrapped_name(name))
     keys: dict[int, list[str]] = {}
     for bucket in unit.buckets:
         for slot in bucket.slots:
