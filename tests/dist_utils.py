@@ -70,3 +70,14 @@ def on_world_and_last_two(check, rank: int, world_size: int, *args) -> None:
     group = dist.new_group(members)
     if rank in members:
         check(group, members.index(rank), 2, *args)
+
+
+def run_checks(checks, rank: int, world: int) -> None:
+    """Run each `check(rank, world)` in turn, all ranks together (a barrier after each); a failure
+    names the check and the world size."""
+    for check in checks:
+        try:
+            check(rank, world)
+        except BaseException as exc:
+            raise AssertionError(f"{check.__name__} (world {world}): {exc}") from exc
+        dist.barrier()

@@ -21,7 +21,7 @@ import fsdp_ext
 from models import Block
 
 from . import fsdp2_scripts as scripts
-from .dist_utils import run_distributed
+from .dist_utils import run_checks, run_distributed
 
 FP32 = dict(atol=1e-6, rtol=1e-5)
 CPU = torch.device("cpu")
@@ -494,12 +494,7 @@ CHECKS = [check_sharding_strategies, check_backward_prefetch_and_flags,
 
 
 def _worker(rank, world):
-    for check in CHECKS:
-        try:
-            check(rank, world)
-        except BaseException as exc:
-            raise AssertionError(f"{check.__name__} (world {world}): {exc}") from exc
-        dist.barrier()
+    run_checks(CHECKS, rank, world)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

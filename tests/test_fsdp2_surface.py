@@ -19,7 +19,7 @@ import fsdp_ext
 from fsdp_ext.runtime.trace import recording
 
 from . import fsdp2_scripts as scripts
-from .dist_utils import run_distributed
+from .dist_utils import run_checks, run_distributed
 
 FP32 = dict(atol=1e-6, rtol=1e-5)
 FRAMEWORKS = (torch_fsdp, fsdp_ext)
@@ -523,12 +523,7 @@ CHECKS = [check_is_torch_fsdp_module, check_unshard_and_reshard, check_explicit_
 
 
 def _worker(rank, world):
-    for check in CHECKS:
-        try:
-            check(rank, world)
-        except BaseException as exc:
-            raise AssertionError(f"{check.__name__} (world {world}): {exc}") from exc
-        dist.barrier()
+    run_checks(CHECKS, rank, world)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
