@@ -1,10 +1,13 @@
-"""The overlap and host-time benchmarks run end to end at a tiny size and write what they promise:
-a row per configuration with every framework's timing, the fsdp_ext and FSDP2 columns included."""
+"""The overlap, host-time and Trainer benchmarks run end to end at a tiny size and write what they
+promise: a row per configuration with every framework's timing, the fsdp_ext and FSDP2 columns
+included."""
 import json
 import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,3 +45,15 @@ def test_host_overhead_benchmark_times_every_framework(tmp_path):
                              for mode in ("train", "no_grad")}
     assert all(v > 0 for v in per_unit.values())
     assert "| forward + backward |" in result.stdout
+
+
+def test_trainer_benchmark_times_every_implementation(tmp_path):
+    pytest.importorskip("accelerate")
+    _run("trainer_step.py", "--layers", "1", "--hidden", "64", "--steps", "3", "--warmup", "1",
+         "--runs", "1", "--out", str(tmp_path), "--dir", str(tmp_path / "runs"))
+    report = json.loads((tmp_path / "trainer_step_w2.json").read_text())
+    wrapped = {impl: runs[0][0]["sharded_by"] for impl, runs in report["results"].items()}
+    assert wrapped == {"ddp": "torch", "torch": "torch", "fsdp_ext": "fsdp_ext"}, wrapped
+    for runs in report["results"].values():
+        assert all(rank["step_s"] > 0 and rank["peak_rss"] > 0 for rank in runs[0])
+    assert "fsdp_ext ÷ this" in (tmp_path / "trainer_step_w2.md").read_text()
