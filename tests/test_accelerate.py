@@ -7,7 +7,8 @@ against the same scripts on torch's FSDP2, at world 2 on CPU/gloo:
   mixed precision, cpu_ram_efficient_loading and activation checkpointing (accelerate then shards
   [final norm, embedding, head] as one list unit, on the meta device, loads rank 0's weights, and
   wraps each block in torch's checkpoint_wrapper);
-- an accelerate loop (accumulate(), clip_grad_norm_, save_state / load_state, get_state_dict);
+- an accelerate loop (accumulate(), clip_grad_norm_, save_state / load_state, get_state_dict),
+  and the same loop with HSDP (ParallelismConfig: 2 replicas x 2 shards, world 4);
 - what is refused (the FSDP1 path) raises at prepare(), naming the setting.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Replicate, Shard
 
 import fsdp_ext
 
@@ -80,9 +82,11 @@ def _fresh_state() -> None:
     GradientState._reset_state()
 
 
-def _accelerate_loop(fsdp: str, directory: str, resume: bool) -> tuple[list[float], dict]:
+def _accelerate_loop(fsdp: str, directory: str, resume: bool,
+                     hsdp: bool = False) -> tuple[list[float], dict]:
     """An accelerate script: accumulate(), clip_grad_norm_, save_state at step 2, and (resume)
-    load_state from it before steps 3-4; the losses of the steps it ran and get_state_dict."""
+    load_state from it before steps 3-4; the losses of the steps it ran and get_state_dict.
+    `hsdp`: accelerate's ParallelismConfig with 2 replicas of 2 shards (world 4)."""
     import fsdp_ext.integrations.accelerate as switch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
@@ -90,11 +94,19 @@ def _accelerate_loop(fsdp: str, directory: str, resume: bool) -> tuple[list[floa
     _fresh_state()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
-    accelerator = Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=2, cpu=True)
+    parallelism = None
+    if hsdp:
+        from accelerate.parallelism_config import ParallelismConfig
+        parallelism = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    accelerator = Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=2, cpu=True,
+                              parallelism_config=parallelism)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(model, fsdp_ext.FSDPModule) == (fsdp == "fsdp_ext"), type(model).__mro__
+    if hsdp:  # replicated across the 2 replicas, sharded within each
+        placements = model.model.layers[0].self_attn.q_proj.weight.placements
+        assert placements == (Replicate(), Shard(0)), placements
     data = dataset()
     rank, world = dist.get_rank(), dist.get_world_size()
     first = 2 if resume else 0
@@ -131,6 +143,14 @@ def accelerate_worker(rank: int, world: int, directory: str) -> None:
     dist.barrier()
 
 
+def hsdp_worker(rank: int, world: int, directory: str) -> None:
+    _launch_env(rank, world)
+    l_torch, _ = _accelerate_loop("torch", os.path.join(directory, "torch"), False, hsdp=True)
+    l_ours, _ = _accelerate_loop("fsdp_ext", os.path.join(directory, "ours"), False, hsdp=True)
+    torch.testing.assert_close(l_ours, l_torch, **FP32)
+    dist.barrier()
+
+
 def _refused() -> None:
     import fsdp_ext.integrations.accelerate as switch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
@@ -150,3 +170,8 @@ def test_trainer_matches_torch_fsdp2_and_resumes(tmp_path):
 
 def test_accelerate_loop_matches_torch_fsdp2(tmp_path):
     run_distributed(accelerate_worker, 2, str(tmp_path), timeout_s=300)
+
+
+def test_accelerate_hsdp_matches_torch_fsdp2(tmp_path):
+    """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): a 2-D mesh, HSDP, at world 4."""
+    run_distributed(hsdp_worker, 4, str(tmp_path), timeout_s=300)
