@@ -37,7 +37,8 @@ def build_model(tied: bool = False):
 
 
 def train(fsdp: str, steps: int, out: str, resume_from: str | None = None, tied: bool = False,
-          bf16: bool = False, ram_efficient: bool = False, checkpointing: bool = False) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+          bf16: bool = False, ram_efficient: bool = False, checkpointing: bool = False,
+          state_dict_type: str = "SHARDED_STATE_DICT") -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
     """A Trainer run; returns this rank's micro-batch losses, the full trained parameters and the
     sharded model."""
     fsdp_ext.integrations.accelerate.enable(fsdp)  # the switch: "fsdp_ext" or "torch"
@@ -57,7 +58,7 @@ def train(fsdp: str, steps: int, out: str, resume_from: str | None = None, tied:
         save_strategy="steps", save_steps=2, logging_steps=1, report_to=[], disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(), bf16=bf16, fsdp=True,
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                     "state_dict_type": "SHARDED_STATE_DICT",
+                     "state_dict_type": state_dict_type,  # or FULL_STATE_DICT: one file
                      # shard on the meta device, then rank 0's weights to every rank's shards
                      "cpu_ram_efficient_loading": ram_efficient,
                      # accelerate wraps each block in torch's checkpoint_wrapper before sharding
@@ -82,9 +83,11 @@ def main() -> None:
                         help="fsdp_config's cpu_ram_efficient_loading")
     parser.add_argument("--checkpointing", action="store_true",
                         help="fsdp_config's activation_checkpointing")
+    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT",
+                        choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
     cli = parser.parse_args()
     losses, _, model = train(cli.fsdp, cli.steps, cli.out, cli.resume_from, cli.tied, cli.bf16,
-                             cli.ram_efficient, cli.checkpointing)
+                             cli.ram_efficient, cli.checkpointing, cli.state_dict_type)
     print(f"{type(model).__module__.split('.')[0]} sharded {type(model).__name__}; micro-batch "
           f"losses {[round(x, 5) for x in losses]}")
 

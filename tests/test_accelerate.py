@@ -3,7 +3,8 @@ against the same scripts on torch's FSDP2, at world 2 on CPU/gloo:
 
 - examples/hf_trainer.py (Trainer, FSDP2 through fsdp_config, gradient accumulation and clipping,
   sharded checkpoints): the same micro-batch losses and trained parameters; resuming from either
-  implementation's step-2 checkpoint continues with the same losses; tied embeddings with bf16
+  implementation's step-2 checkpoint continues with the same losses, and from a FULL_STATE_DICT
+  checkpoint (one file, the Trainer's default); tied embeddings with bf16
   mixed precision, cpu_ram_efficient_loading and activation checkpointing (accelerate then shards
   [final norm, embedding, head] as one list unit, on the meta device, loads rank 0's weights, and
   wraps each block in torch's checkpoint_wrapper);
@@ -63,6 +64,13 @@ def trainer_worker(rank: int, world: int, directory: str) -> None:
         torch.testing.assert_close(resumed, l_torch[4:], **FP32,
                                    msg=lambda m: f"resumed from {source}'s checkpoint: {m}")
         _same_params(p_resumed, p_torch, FP32, f"resumed from {source}'s checkpoint")
+    full = os.path.join(directory, "full")  # FULL_STATE_DICT checkpoints (the Trainer's default)
+    l_full, _, _ = train("fsdp_ext", 4, full, state_dict_type="FULL_STATE_DICT")
+    torch.testing.assert_close(l_full, l_torch, **FP32)
+    resumed, _, _ = train("fsdp_ext", 4, os.path.join(directory, "resumed-full"),
+                          resume_from=os.path.join(full, "checkpoint-2"),
+                          state_dict_type="FULL_STATE_DICT")
+    torch.testing.assert_close(resumed, l_torch[4:], **FP32, msg=lambda m: f"full checkpoint: {m}")
     tied = {name: train(name, 2, os.path.join(directory, f"tied-{name}"), tied=True, bf16=True,
                         ram_efficient=True, checkpointing=True)
             for name in ("torch", "fsdp_ext")}
