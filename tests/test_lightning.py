@@ -21,6 +21,8 @@ from lightning_fit import fit  # noqa: E402  (examples/)
 from models import Block  # noqa: E402
 
 import fsdp_ext  # noqa: E402
+import lightning as L  # noqa: E402
+from fsdp_ext.integrations.lightning import FSDPExtStrategy  # noqa: E402
 
 from .dist_utils import run_distributed  # noqa: E402
 
@@ -36,6 +38,8 @@ def worker(rank: int, world: int, directory: str) -> None:
     assert isinstance(trainer.model, fsdp_ext.FSDPModule)
     assert isinstance(trainer.lightning_module.model.blocks[0], fsdp_ext.FSDPModule)
     torch.testing.assert_close(ours, reference, **TOL)
+    by_name = L.Trainer(strategy="fsdp_ext", accelerator="cpu", devices=world, logger=False)
+    assert isinstance(by_name.strategy, FSDPExtStrategy)
     # torch's policy objects and callables pick the same units
     for policy in (ModuleWrapPolicy({Block}),
                    functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})):

@@ -2,6 +2,7 @@
 
     from fsdp_ext.integrations.lightning import FSDPExtStrategy
     trainer = L.Trainer(strategy=FSDPExtStrategy(auto_wrap_policy={Block}), devices=2, ...)
+    # or, once imported, strategy="fsdp_ext" (no policy: configure_model shards the blocks)
 
 It follows Lightning's conventions for FSDP (its `FSDPStrategy` and `ModelParallelStrategy`):
 - the model is built in `configure_model` or in the module's `__init__` (on the meta device under
@@ -36,7 +37,7 @@ from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -171,10 +172,6 @@ class FSDPExtStrategy(ModelParallelStrategy):
                                 strict=self.lightning_module.strict_loading,
                                 optimizer_states_from_list=True, weights_only=weights_only)
 
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register(cls.strategy_name, cls,
-                                   description="Fully sharded data parallel with fsdp_ext")
 
 
 def _offloaded(kwargs: dict) -> bool:
@@ -182,3 +179,8 @@ def _offloaded(kwargs: dict) -> bool:
 
     return isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy)
 
+
+# `Trainer(strategy="fsdp_ext")` once this module is imported (no wrap policy: configure_model shards
+# the blocks, or the whole model is one unit)
+StrategyRegistry.register(FSDPExtStrategy.strategy_name, FSDPExtStrategy, override=True,
+                          description="fully sharded data parallel with fsdp_ext")
