@@ -9,10 +9,12 @@ accumulation 1, clipping at 1.0, no checkpoints; a TrainerCallback times each op
 `--warmup` steps are left out. Peak RSS is above the process's RSS just before the Trainer is built.
 
     .venv/bin/python benchmarks/trainer_step.py
+    .venv/bin/python benchmarks/trainer_step.py --tensor-memory --runs 1 --name trainer_tensors_w2
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,6 +30,7 @@ sys.path.insert(0, HERE)
 from launch import free_port  # noqa: E402
 from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
 from rss import current_bytes, peak_bytes, reset_peak, track_live_memory  # noqa: E402
+from tensor_memory import TensorMemory  # noqa: E402
 
 IMPLEMENTATIONS = ("ddp", "torch", "fsdp_ext")
 
@@ -70,13 +73,18 @@ def worker(rank: int, world: int, port: int, impl: str, args, out: str) -> None:
         **(fsdp if impl != "ddp" else {}))
     reset_peak()
     base = current_bytes()
-    model = LlamaForCausalLM(cfg)
-    numel = sum(p.numel() for p in model.parameters())
-    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[Timer()])
-    trainer.train()
+    # --tensor-memory: the profiler's count of live tensor bytes (it slows the steps down)
+    profiler = TensorMemory(torch.device("cpu")) if args.tensor_memory else contextlib.nullcontext()
+    with profiler:
+        model = LlamaForCausalLM(cfg)
+        numel = sum(p.numel() for p in model.parameters())
+        trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[Timer()])
+        with profiler.window() if args.tensor_memory else contextlib.nullcontext():
+            trainer.train()
     sharded = type(trainer.model_wrapped).__module__.split(".")[0]
     result = dict(step_s=statistics.median(times[args.warmup:]), peak_rss=peak_bytes() - base,
-                  numel=numel, sharded_by=sharded, wrapper=type(trainer.model_wrapped).__name__)
+                  numel=numel, sharded_by=sharded, wrapper=type(trainer.model_wrapped).__name__,
+                  peak_tensors=profiler.peak_bytes()[0] if args.tensor_memory else None)
     with open(os.path.join(out, f"{impl}-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -93,6 +101,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/fsdp_ext_trainer_bench")
     parser.add_argument("--name", default="trainer_step_w2", help="results file name")
+    parser.add_argument("--tensor-memory", action="store_true",
+                        help="also the peak of live tensor bytes (profiler; slower steps)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -120,9 +130,13 @@ def main() -> None:
                      f"{ours / statistics.median(steps(impl)):.2f}",
                      " / ".join(f"{max(r['peak_rss'] for r in ranks) / 2**20:.0f}"
                                 for ranks in runs)])
+        if args.tensor_memory:
+            rows[-1].append(" / ".join(f"{max(r['peak_tensors'] for r in ranks) / 2**20:.1f}"
+                                       for ranks in runs))
     table = markdown_table(["implementation", "median step per run (s, slowest rank)",
-                            "fsdp_ext ÷ this", "peak RSS above start per run (MiB, max of ranks)"],
-                           rows)
+                            "fsdp_ext ÷ this", "peak RSS above start per run (MiB, max of ranks)"]
+                           + (["peak live tensors per run (MiB, max of ranks)"]
+                              if args.tensor_memory else []), rows)
     print(header + "\n\n" + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
