@@ -67,7 +67,8 @@ def worker(rank: int, world: int, port: int, impl: str, args, out: str) -> None:
     fsdp = dict(fsdp=True, fsdp_config={"version": 2,
                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     training = TrainingArguments(
-        output_dir=os.path.join(out, "trainer"), max_steps=args.steps, per_device_train_batch_size=4,
+        output_dir=os.path.join(out, "trainer"), max_steps=args.steps,
+        per_device_train_batch_size=4,
         learning_rate=1e-4, max_grad_norm=1.0, save_strategy="no", report_to=[],
         disable_tqdm=True, use_cpu=True, logging_steps=10**6,
         **(fsdp if impl != "ddp" else {}))

@@ -38,7 +38,8 @@ def build_model(tied: bool = False):
 
 def train(fsdp: str, steps: int, out: str, resume_from: str | None = None, tied: bool = False,
           bf16: bool = False, ram_efficient: bool = False, checkpointing: bool = False,
-          state_dict_type: str = "SHARDED_STATE_DICT") -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+          state_dict_type: str = "SHARDED_STATE_DICT",
+          ) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
     """A Trainer run; returns this rank's micro-batch losses, the full trained parameters and the
     sharded model."""
     fsdp_ext.integrations.accelerate.enable(fsdp)  # the switch: "fsdp_ext" or "torch"

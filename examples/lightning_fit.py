@@ -1,7 +1,8 @@
 """A LightningModule fitted with fsdp_ext's Lightning strategy, or with Lightning's own strategies.
 
 The module builds the small GPT of examples/models.py in `configure_model` and trains it with
-AdamW, gradient clipping (configure_gradient_clipping) and gradient accumulation; `--strategy` picks who shards it:
+AdamW, gradient clipping (configure_gradient_clipping) and gradient accumulation; `--strategy`
+picks who shards it:
   fsdp_ext        fsdp_ext.integrations.lightning.FSDPExtStrategy(auto_wrap_policy={Block})
   fsdp            Lightning's FSDPStrategy (torch's FSDP1) with the same policy
   model_parallel  Lightning's ModelParallelStrategy, configure_model calling torch's fully_shard
@@ -110,8 +111,10 @@ def fit(name: str, epochs: int, devices: int, ckpt_path: str | None = None,
     """Fit `epochs` epochs (from `ckpt_path` if given); save a checkpoint at the end to `save_to`;
     this rank's step losses, and the trainer."""
     module = GPTModule(shard_in_configure_model=name == "model_parallel", on_meta=on_meta)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy(name, checkpoint, policy),
-                        max_epochs=epochs, precision=precision, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", devices=devices,
+                        strategy=strategy(name, checkpoint, policy), max_epochs=epochs,
+                        precision=precision, accumulate_grad_batches=2, logger=False,
+                        enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data(), ckpt_path=ckpt_path)
     if save_to is not None:

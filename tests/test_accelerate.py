@@ -1,11 +1,12 @@
-"""Hugging Face accelerate and transformers' Trainer with fsdp_ext (fsdp_ext.integrations.accelerate)
-against the same scripts on torch's FSDP2, at world 2 on CPU/gloo:
+"""Hugging Face accelerate and transformers' Trainer with fsdp_ext
+(fsdp_ext.integrations.accelerate) against the same scripts on torch's FSDP2, at world 2 on
+CPU/gloo:
 
 - examples/hf_trainer.py (Trainer, FSDP2 through fsdp_config, gradient accumulation and clipping,
   sharded checkpoints): the same micro-batch losses and trained parameters; resuming from either
   implementation's step-2 checkpoint continues with the same losses, and from a FULL_STATE_DICT
-  checkpoint (one file, the Trainer's default); tied embeddings with bf16
-  mixed precision, cpu_ram_efficient_loading and activation checkpointing (accelerate then shards
+  checkpoint (one file, the Trainer's default); tied embeddings with bf16 mixed precision,
+  cpu_ram_efficient_loading and activation checkpointing (accelerate then shards
   [final norm, embedding, head] as one list unit, on the meta device, loads rank 0's weights, and
   wraps each block in torch's checkpoint_wrapper);
 - an accelerate loop (accumulate(), clip_grad_norm_, save_state / load_state, get_state_dict),

@@ -419,15 +419,16 @@ def _list_units_script(fsdp, rank, world, steps=3):
 
 
 def check_list_units(rank, world):
-    """fully_shard([m1, m2]) (its `module` argument a list): training, parameter names, state dict and no-grad forward equal to
-    torch's; both members are one unit gathered by one all-gather per use, and unshard() on a
-    member gathers the other too (as torch's)."""
+    """fully_shard([m1, m2]) (its `module` argument a list): training, parameter names, state
+    dict and no-grad forward equal to torch's; both members are one unit gathered by one
+    all-gather per use, and unshard() on a member gathers the other too (as torch's)."""
     (l_t, p_t, s_t, o_t, _), (l_o, p_o, s_o, o_o, model) = (
         _list_units_script(f, rank, world) for f in FRAMEWORKS)
     torch.testing.assert_close(l_o, l_t, **FP32)
     assert list(p_o) == list(p_t) and list(s_o) == list(s_t), (list(p_o), list(s_o))
     for name, value in {**p_t, **s_t}.items():
-        torch.testing.assert_close({**p_o, **s_o}[name], value, **FP32, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close({**p_o, **s_o}[name], value, **FP32,
+                                   msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(o_o, o_t, **FP32)
     unit = model.ln_f._unit
     assert model.lm_head._unit is unit and unit.name == "[ln_f, lm_head]", unit.name

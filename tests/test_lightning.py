@@ -2,9 +2,10 @@
 examples/lightning_fit.py against Lightning's own strategies on the same LightningModule, at
 world 2 on CPU/gloo: the same step losses as FSDPStrategy (torch's FSDP1) with the same wrap
 policy (given as a set of classes, torch's ModuleWrapPolicy or transformer_auto_wrap_policy),
-gradient accumulation and clipping; a policy with per-module arguments refused; bf16-mixed as ModelParallelStrategy with torch's
-fully_shard, and with the model built on the meta device; resuming from a sharded (DCP folder) and a full (one file) checkpoint of its own, and
-from ModelParallelStrategy's, continues with the uninterrupted run's losses."""
+gradient accumulation and clipping; a policy with per-module arguments refused; bf16-mixed, and
+the model built on the meta device, as ModelParallelStrategy with torch's fully_shard; resuming
+from a sharded (DCP folder) and a full (one file) checkpoint of its own, and from
+ModelParallelStrategy's, continues with the uninterrupted run's losses."""
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,8 @@ def worker(rank: int, world: int, directory: str) -> None:
         torch.testing.assert_close(again, reference[:6], **TOL)
     per_module = CustomPolicy(lambda m: {"reshard_after_forward": False}
                               if isinstance(m, Block) else False)
-    with pytest.raises(NotImplementedError, match=r"Block its own arguments \['reshard_after_forward'\]"):
+    refused = r"Block its own arguments \['reshard_after_forward'\]"
+    with pytest.raises(NotImplementedError, match=refused):
         fit("fsdp_ext", 1, world, policy=per_module)
 
     bf16_ref, _ = fit("model_parallel", 1, world, precision="bf16-mixed")

@@ -180,7 +180,7 @@ def _offloaded(kwargs: dict) -> bool:
     return isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy)
 
 
-# `Trainer(strategy="fsdp_ext")` once this module is imported (no wrap policy: configure_model shards
-# the blocks, or the whole model is one unit)
+# `Trainer(strategy="fsdp_ext")` once this module is imported (no wrap policy: configure_model
+# shards the blocks, or the whole model is one unit)
 StrategyRegistry.register(FSDPExtStrategy.strategy_name, FSDPExtStrategy, override=True,
                           description="fully sharded data parallel with fsdp_ext")

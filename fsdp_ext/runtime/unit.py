@@ -66,8 +66,9 @@ class _UnshardedViews(torch.autograd.Function):
 class Unit:
     """Args beyond the obvious: `module` is one module, or a list of modules sharded together
     (torch's `fully_shard([m1, m2])`: one all-gather and one reduce-scatter for all of them; the
-    pre-forward runs at the first of them to run, the post-forward once all of them ran); `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard,
-    DTensor parameters on `mesh`, else on a mesh made from `groups`); `param_init_fn` materialises
+    pre-forward runs at the first of them to run, the post-forward once all of them ran);
+    `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard, DTensor parameters on
+    `mesh`, else on a mesh made from `groups`); `param_init_fn` materialises
     meta parameters here (the flat layout always does, with reset_parameters() by default; the rows
     layout leaves them on meta until the user's `to_empty`, as torch's fully_shard does);
     `ignored_params` (ids) stay plain parameters of the module, never sharded or reduced."""
@@ -488,8 +489,9 @@ class Unit:
         """A list unit: the post-forward once every member ran; before that, each output gets the
         output dtype and the pre-backward hook (backward may reach it first)."""
         if id(module) not in self.members_to_run:  # recomputation, or a member called again
-            return self._post_forward(module, args, kwargs, output) if self.schedule.in_backward() \
-                else cast_floating(output, self.mp.output_dtype)
+            if self.schedule.in_backward():
+                return self._post_forward(module, args, kwargs, output)
+            return cast_floating(output, self.mp.output_dtype)
         self.members_to_run.discard(id(module))
         if self.members_to_run:
             output = cast_floating(output, self.mp.output_dtype)
