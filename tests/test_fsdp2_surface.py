@@ -394,7 +394,7 @@ def check_fully_shard_arguments(rank, world):
 def _list_units_script(fsdp, rank, world, steps=3):
     """GPT with untied head; blocks sharded one by one, the embeddings and the final norm + head
     as two lists (accelerate's FSDP2 does the latter), then the root. Returns (losses, parameters,
-    full state dict, eval logits, model)."""
+    full state dict, eval logits, model, fsdp_ext's describe() before the first forward)."""
     model = scripts.build()
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
     for block in model.blocks:
@@ -402,6 +402,7 @@ def _list_units_script(fsdp, rank, world, steps=3):
     fsdp.fully_shard([model.wte, model.wpe])
     fsdp.fully_shard([model.ln_f, model.lm_head])
     fsdp.fully_shard(model)
+    plan = fsdp_ext.describe(model, file=None) if fsdp is fsdp_ext else ""  # before any forward
     opt = scripts.adamw(model)
     losses = []
     for step in range(steps):
@@ -415,14 +416,14 @@ def _list_units_script(fsdp, rank, world, steps=3):
     state = {k: _full(v) for k, v in model.state_dict().items()}
     with torch.no_grad():
         logits = model(scripts.batch(0, rank, world))
-    return losses, params, state, logits, model
+    return losses, params, state, logits, model, plan
 
 
 def check_list_units(rank, world):
     """fully_shard([m1, m2]) (its `module` argument a list): training, parameter names, state
     dict and no-grad forward equal to torch's; both members are one unit gathered by one
     all-gather per use, and unshard() on a member gathers the other too (as torch's)."""
-    (l_t, p_t, s_t, o_t, _), (l_o, p_o, s_o, o_o, model) = (
+    (l_t, p_t, s_t, o_t, _, _), (l_o, p_o, s_o, o_o, model, plan) = (
         _list_units_script(f, rank, world) for f in FRAMEWORKS)
     torch.testing.assert_close(l_o, l_t, **FP32)
     assert list(p_o) == list(p_t) and list(s_o) == list(s_t), (list(p_o), list(s_o))
@@ -440,6 +441,9 @@ def check_list_units(rank, world):
         issued = [e for e in events if e.kind == "all_gather.issue" and e.unit == name]
         forwards = [e for e in events if e.kind == "forward.begin" and e.unit == name]
         assert len(forwards) == 1 and len(issued) <= 2, (name, len(forwards), len(issued))
+    for plan in (plan, fsdp_ext.describe(model, file=None)):  # before and after the first forward
+        assert plan.count("unit '[ln_f, lm_head]' (LayerNorm+Linear)") == 1, plan
+        assert "ln_f.weight " in plan and "lm_head.weight " in plan, plan
     model.lm_head.unshard()
     assert not isinstance(model.ln_f.weight, DTensor) and model.ln_f.weight.shape == (24,)
     model.lm_head.reshard()

@@ -16,9 +16,17 @@ from ..runtime.registry import unit_of
 from ..runtime.unit import Unit
 
 
-def _units_with_names(model: nn.Module) -> list[tuple[str, Unit]]:
+def _units_with_names(model: nn.Module) -> list[tuple[str, Unit, list[str]]]:
+    """Each unit once: its name ('[a, b]' for a list of modules, in the list's order), the unit,
+    and the path of each of its modules (known here before the first forward names them)."""
     inner = getattr(model, "_fsdp_wrapped_module", model)  # FullyShardedDataParallel adds no prefix
-    return [(name, u) for name, m in inner.named_modules() if (u := unit_of(m)) is not None]
+    paths: dict[Unit, list[str]] = {}
+    for name, m in inner.named_modules():
+        if (u := unit_of(m)) is not None:
+            member = next(i for i, other in enumerate(u.members) if other is m)
+            paths.setdefault(u, [""] * len(u.members))[member] = name
+    return [(found[0] if len(found) == 1 else "[" + ", ".join(found) + "]", u, found)
+            for u, found in paths.items()]
 
 
 def _bytes(n: int) -> str:
@@ -37,7 +45,7 @@ def _dtype(d) -> str:
     return str(d).replace("torch.", "")
 
 
-def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
+def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], int, int]:
     """Lines for one unit, its sharded bytes and its unsharded (gathered) bytes on this rank."""
     schedule = unit.schedule
     if unit.reshard_after_forward is None and schedule is None:
@@ -50,7 +58,8 @@ def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
         keep = "freed"
     lines = [f"unit '{name or 'root'}' ({unit.type_name}): "
              f"{len(unit.buckets)} bucket(s); after forward: {keep}"]
-    module_names = {id(m): n for member in unit.members
+    module_names = {id(m): n if len(paths) == 1 else _joined(path, n)
+                    for member, path in zip(unit.members, paths)
                     for n, m in member.named_modules(remove_duplicate=False)}
     sharded = unsharded = 0
     for i, (bucket, full) in enumerate(zip(unit.buckets, unit.full)):
@@ -67,7 +76,7 @@ def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
             f"{len(layout.groups)} all-gather(s), {copied} param(s) copied out")
         lines.append(f"            per rank: sharded {_bytes(shard_bytes)}, unsharded "
                      f"{_bytes(full_bytes)} as {_dtype(full.dtype)}")
-        names = [slot.fqn if len(unit.members) == 1 else unit.param_name(slot)
+        names = [slot.fqn if len(paths) == 1 else _joined(paths[slot.member], slot.fqn)
                  for slot in bucket.slots]
         width = max(map(len, names))
         for index, (slot, slot_name) in enumerate(zip(bucket.slots, names)):
@@ -81,12 +90,12 @@ def _describe_unit(name: str, unit: Unit) -> tuple[list[str], int, int]:
     return lines, sharded, unsharded
 
 
-def _prefetch_lines(units: list[tuple[str, Unit]]) -> list[str]:
+def _prefetch_lines(units: list[tuple[str, Unit, list[str]]]) -> list[str]:
     schedule = units[0][1].schedule if units else None
     if schedule is None or not schedule.forward_order:
         return ["prefetch order: not recorded yet (the runtime learns the execution order during "
                 "the first forward; run one step, then describe again)"]
-    names = {id(u): n or "root" for n, u in units}
+    names = {id(u): n or "root" for n, u, _ in units}
     order = schedule.forward_order
     opts = schedule.options
 
@@ -127,8 +136,8 @@ def describe(model: nn.Module, file=sys.stdout) -> str:
                  f"{g.shard_size} (this is shard rank {g.shard_rank}), {g.replicate_size} "
                  f"replica(s), device {g.device}"]
         total_sharded, largest = 0, 0
-        for name, unit in units:
-            unit_lines, sharded, unsharded = _describe_unit(name, unit)
+        for name, unit, paths in units:
+            unit_lines, sharded, unsharded = _describe_unit(name, unit, paths)
             lines += unit_lines
             total_sharded += sharded
             largest = max(largest, unsharded)
