@@ -12,7 +12,7 @@ import sys
 
 from torch import nn
 
-from ..runtime.registry import unit_of
+from ..runtime.registry import unit_name, units_with_paths
 from ..runtime.unit import Unit
 
 
@@ -20,13 +20,7 @@ def _units_with_names(model: nn.Module) -> list[tuple[str, Unit, list[str]]]:
     """Each unit once: its name ('[a, b]' for a list of modules, in the list's order), the unit,
     and the path of each of its modules (known here before the first forward names them)."""
     inner = getattr(model, "_fsdp_wrapped_module", model)  # FullyShardedDataParallel adds no prefix
-    paths: dict[Unit, list[str]] = {}
-    for name, m in inner.named_modules():
-        if (u := unit_of(m)) is not None:
-            member = next(i for i, other in enumerate(u.members) if other is m)
-            paths.setdefault(u, [""] * len(u.members))[member] = name
-    return [(found[0] if len(found) == 1 else "[" + ", ".join(found) + "]", u, found)
-            for u, found in paths.items()]
+    return [(unit_name(paths), unit, paths) for unit, paths in units_with_paths(inner).items()]
 
 
 def _bytes(n: int) -> str:

@@ -15,6 +15,22 @@ def unit_of(module: nn.Module):
     return module.__dict__.get(UNIT_ATTR)
 
 
+def units_with_paths(model: nn.Module) -> dict:
+    """Every unit in `model`'s module tree (module order) -> the path in `model` of each of its
+    modules (a list unit's in the list's order)."""
+    paths: dict = {}
+    for name, module in model.named_modules():
+        if (unit := unit_of(module)) is not None:
+            member = next(i for i, other in enumerate(unit.members) if other is module)
+            paths.setdefault(unit, [""] * len(unit.members))[member] = name
+    return paths
+
+
+def unit_name(paths: list[str]) -> str:
+    """A unit's name from its modules' paths: the path, or '[a, b]' for a list of modules."""
+    return paths[0] if len(paths) == 1 else "[" + ", ".join(paths) + "]"
+
+
 def units_of(model: nn.Module) -> list:
     """Every unit in `model`'s module tree, in module order (the root's first); a unit of a list
     of modules once, where its first member in that order is."""

@@ -20,7 +20,7 @@ import torch
 
 from . import comm, streams
 from .fingerprints import CollectiveChecker
-from .registry import unit_of
+from .registry import unit_name, units_with_paths
 from .trace import RECORDER
 
 DEFAULT_OPTIONS = dict(
@@ -83,25 +83,14 @@ class Schedule:
                 f"fully_shard([...]) of {root.type_name} ran forward before any module containing "
                 "them: a list of modules cannot be the root; apply fully_shard to the model that "
                 "contains them too (after the list, as torch's fully_shard is applied bottom-up)")
-        units: dict[Unit, None] = {}  # a list unit is reached once per member
-        for name, module in root.module.named_modules():
-            unit = unit_of(module)
-            if unit is None:
-                continue
+        paths = units_with_paths(root.module)
+        for unit, names in paths.items():
             if unit.schedule is not None and not unit.schedule.standalone:
                 raise RuntimeError(
-                    f"unit '{name}' already ran forward under another root; apply fully_shard "
-                    "to every submodule before the first forward of the model")
-            for member, other in enumerate(unit.members):
-                if other is module:
-                    unit.member_names[member] = name
-            units.setdefault(unit)
-        for unit in units:
-            if len(unit.members) == 1:
-                unit.name = unit.member_names[0]
-            else:
-                unit.name = "[" + ", ".join(unit.member_names) + "]"
-        units = list(units)
+                    f"unit '{unit_name(names)}' already ran forward under another root; apply "
+                    "fully_shard to every submodule before the first forward of the model")
+            unit.member_names, unit.name = names, unit_name(names)
+        units = list(paths)
         schedule = cls(root, units)
         for unit in units:
             unit.schedule = schedule
