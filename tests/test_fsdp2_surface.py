@@ -431,6 +431,10 @@ def check_list_units(rank, world):
         torch.testing.assert_close({**p_o, **s_o}[name], value, **FP32,
                                    msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(o_o, o_t, **FP32)
+    full = fsdp_ext.full_state_dict(model)  # each list member's hook gathers its own parameters
+    assert list(full) == list(s_t), list(full)
+    for name, value in s_t.items():
+        torch.testing.assert_close(full[name], value, **FP32, msg=lambda m: f"full {name}: {m}")
     unit = model.ln_f._unit
     assert model.lm_head._unit is unit and unit.name == "[ln_f, lm_head]", unit.name
     assert isinstance(model.ln_f, torch_fsdp.FSDPModule) and isinstance(model.lm_head, nn.Linear)

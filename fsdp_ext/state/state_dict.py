@@ -121,6 +121,8 @@ def _fill_full(unit, module: nn.Module, state_dict: dict, prefix: str,
     keep = not settings.rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     with torch.no_grad():
         for bucket in unit.buckets:
+            if not any(keys[id(slot)] for slot in bucket.slots):
+                continue  # another module's of a list unit: gathered at that module's hook
             tensors = gather_bucket(unit, bucket, bucket.shard)  # every rank takes part
             for slot, tensor in zip(bucket.slots, tensors):
                 if slot.tp_spec is not None:  # gathered over data parallel: TP's local tensor
