@@ -78,10 +78,6 @@ def disable() -> None:
     _ORIGINALS.clear()
 
 
-def enabled() -> bool:
-    return bool(_ORIGINALS)
-
-
 def _state_init(self, *args, fsdp_plugin=None, **kwargs):
     """AcceleratorState.__init__; then a multi-process CPU launch given an FSDP plugin takes the
     FSDP path (accelerate sets it for accelerators only), as accelerate does on GPUs."""

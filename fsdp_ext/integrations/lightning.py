@@ -27,10 +27,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
-
-import torch
-from torch import nn
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
@@ -39,7 +37,10 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from ..api.fully_shard import fully_shard
@@ -145,26 +146,20 @@ class FSDPExtStrategy(ModelParallelStrategy):
             self.model.set_requires_gradient_sync(True)
 
     # ---- checkpoints: ModelParallelStrategy's formats, keyed by the LightningModule's names ----
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def _state_dict_options(self) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=not self._save_distributed_checkpoint,
+                                cpu_offload=True)
 
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint,
-                                   cpu_offload=True)
-        return get_model_state_dict(self.lightning_module, options=options)
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.lightning_module, options=self._state_dict_options())
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint,
-                                   cpu_offload=True)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+        return get_optimizer_state_dict(self.lightning_module, optimizer,
+                                        options=self._state_dict_options())
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from pathlib import Path
-
         path = Path(self.broadcast(checkpoint_path))
         state = {"state_dict": self.lightning_module,
                  **{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}}
@@ -173,10 +168,7 @@ class FSDPExtStrategy(ModelParallelStrategy):
                                 optimizer_states_from_list=True, weights_only=weights_only)
 
 
-
 def _offloaded(kwargs: dict) -> bool:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     return isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy)
 
 
