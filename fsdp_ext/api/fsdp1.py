@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision
 from ..runtime.registry import unit_of, units_of
 from ..state import state_dict as _sd
 from ..state.summon import summon_full_params
-from . import fsdp1_state, options
+from . import default_group, fsdp1_state, options
 from .clip import clip_grad_norm_
 from .fully_shard import shard_module
 from .wrap import apply_auto_wrap
@@ -66,6 +66,8 @@ class FullyShardedDataParallel(nn.Module):
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
                  use_orig_params: bool = False, ignored_states=None, device_mesh=None):
         super().__init__()
+        if process_group is None and device_mesh is None:
+            default_group.ensure_for_fsdp1()
         strategy = options.sharding_strategy(sharding_strategy)
         prefetch_at = options.backward_prefetch(backward_prefetch)
         offload = options.cpu_offload(cpu_offload)

@@ -10,11 +10,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from ..diagnostics.input_checks import check_mesh_and_groups
+from ..diagnostics.optim_check import install_step_check
 from ..runtime import comm
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.unit import Unit
 from ..state.hooks import install_state_dict_hooks
-from . import options
+from . import default_group, options
 from .fsdp_module import FSDPModule
 from .options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -54,11 +55,13 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
         shard = process_group
     elif dist.is_available() and dist.is_initialized():
         shard = dist.group.WORLD
+    single_process = not (dist.is_available() and dist.is_initialized())  # (a mesh needs one)
     if shard is not None and dist.get_world_size(shard) == 1:
         shard = None
     if replicate is not None and dist.get_world_size(replicate) == 1:
         replicate = None
-    groups = comm.Groups(device=device, shard=shard, replicate=replicate)
+    groups = comm.Groups(device=device, shard=shard, replicate=replicate,
+                         single_process=single_process)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         k = reshard_after_forward
         if k < 1:
@@ -90,7 +93,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     Args:
         module: the module to shard, or a list of modules (none inside another) to shard
             together; their parameters must all be on one device.
-        mesh: a 1-D DeviceMesh (shard) or 2-D (replicate, shard) for HSDP. Default: the world.
+        mesh: a 1-D DeviceMesh (shard) or 2-D (replicate, shard) for HSDP. Default: the world;
+            under a launcher (torchrun) with no process group yet, the default group is
+            initialised from the environment, as torch's fully_shard does. In a plain `python`
+            process with no group: one process, nothing sharded, said at the first forward
+            (api/default_group.py).
         process_group: FSDP1-style alternative to `mesh`: a group, or (shard, replicate) groups.
         reshard_after_forward: True frees parameters after forward and regathers them in backward;
             False keeps them (ZeRO-2); an int k keeps 1/k of them and regathers from k ranks.
@@ -121,6 +128,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             "(mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
     for member in _members(module):
         _check_placements(member, shard_placement_fn)
+    if mesh is None and process_group is None:
+        default_group.ensure_for_fully_shard()
     return shard_module(
         module, layout="rows", mesh=mesh, process_group=process_group,
         reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy(mp_policy),
@@ -194,6 +203,7 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
                 if buf is not None:
                     sub._buffers[name] = buf.to(device)
     check_mesh_and_groups(members[0], mesh, process_group)
+    install_step_check()  # an optimizer built before this call is caught at its first step
     groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).

@@ -129,6 +129,9 @@ def describe(model: nn.Module, file=sys.stdout) -> str:
         lines = [f"fsdp_ext plan for {type(model).__name__}: {len(units)} unit(s), shard group of "
                  f"{g.shard_size} (this is shard rank {g.shard_rank}), {g.replicate_size} "
                  f"replica(s), device {g.device}"]
+        if g.single_process:
+            lines.append("single-process mode: no process group and no launcher, nothing is "
+                         "sharded (launch with torchrun, or init_process_group() first)")
         total_sharded, largest = 0, 0
         for name, unit, paths in units:
             unit_lines, sharded, unsharded = _describe_unit(name, unit, paths)

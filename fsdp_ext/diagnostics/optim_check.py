@@ -7,13 +7,50 @@ before wrapping) steps tensors the sharded model never reads, and one that alrea
 wrapping holds full-shape state (exp_avg, ...) that no longer lines up with the shards. The check
 is explicit (call it once after building the optimizer): it reads only local metadata and issues no
 collective, and an optimizer may legitimately cover only part of the model, which it allows.
+
+The commonest of the two, an optimizer built from `model.parameters()` before `fully_shard`, is also
+caught without the user's help: `install_step_check()` (called by fully_shard) registers one global
+optimizer step pre-hook with torch, which at an optimizer's first step (and after it gains a
+parameter group) looks its parameters up among those fully_shard replaced and raises, naming the
+parameter and the fix. torch's FSDP2 is silent there and the model never trains. The look-up is a
+dictionary probe per parameter, on the host, once per optimizer: no tensor is read.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..runtime.registry import units_of
+from ..runtime.registry import replaced_where, units_of
+
+_checked_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> groups seen
+_step_hook = None
+
+
+def install_step_check() -> None:
+    """Register the global step pre-hook once per process (idempotent)."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_check_at_step)
+
+
+def _check_at_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Raise before an optimizer's first step if it holds a parameter fully_shard replaced."""
+    if _checked_groups.get(optimizer) == len(optimizer.param_groups):
+        return
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if (where := replaced_where(param)) is not None:
+                owner, attr, fqn = where
+                raise ValueError(
+                    f"{type(optimizer).__name__}.step(): param_groups[{g}]['params'][{i}] is "
+                    f"parameter '{fqn}' ({owner}.{attr}) as it was before fully_shard replaced it "
+                    "with a DTensor parameter: this optimizer would update a tensor the model no "
+                    "longer reads, so the model would never train (torch's FSDP2 runs on "
+                    "silently). Build the optimizer after fully_shard, from model.parameters()")
+    _checked_groups[optimizer] = len(optimizer.param_groups)
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -81,6 +81,9 @@ class Groups:
     # set_separate_reduce_scatter_group: a second group over the shard ranks for the gradient
     # reductions, so they do not queue behind all-gathers on one communicator
     separate_reduce_scatter: dist.ProcessGroup | None = None
+    # No process group existed and no launcher started this process: one process, nothing sharded
+    # (api/default_group.py). Said by describe() and at the root's first forward.
+    single_process: bool = False
 
     @property
     def reduce_scatter(self) -> dist.ProcessGroup | None:

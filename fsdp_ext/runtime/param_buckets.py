@@ -18,7 +18,7 @@ from . import comm, dtensor_params
 from .bucket import Bucket, ParamSlot
 from .layout import flat_layout, rows_layout
 from .offload import host_empty
-from .registry import unit_of
+from .registry import record_replaced, unit_of
 
 OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
 
@@ -80,6 +80,8 @@ def _replace_with_dtensors(bucket: Bucket, shard: torch.Tensor) -> None:
         # Still referenced by a module outside the unit only if it is tied to one there: then the
         # parent's fully_shard names both (see _owned_slots).
         slot.replaced = weakref.ref(slot.param)
+        owner, attr = slot.locations[0]
+        record_replaced(slot.param, (type(owner).__name__, attr, slot.fqn))
         slot.param = param
 
 

@@ -5,9 +5,30 @@ them has to import the other to walk a model.
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 UNIT_ATTR = "_fsdp_ext_unit"
+
+# The nn.Parameters that fully_shard replaced with DTensor parameters, by id -> (weak reference,
+# (module class, attribute, name in its unit)). Weak: an original lives on only while something
+# else (an optimizer built before fully_shard) holds it, which diagnostics/optim_check.py looks
+# for at a step. Keyed by id, not by tensor: a WeakKeyDictionary compares keys with the tensors'
+# elementwise ==.
+_replaced: dict[int, tuple[weakref.ref, tuple[str, str, str]]] = {}
+
+
+def record_replaced(param, where: tuple[str, str, str]) -> None:
+    """Remember that fully_shard replaced `param` (until `param` is freed)."""
+    key = id(param)
+    _replaced[key] = (weakref.ref(param, lambda _ref: _replaced.pop(key, None)), where)
+
+
+def replaced_where(param) -> tuple[str, str, str] | None:
+    """(module class, attribute, name) of a parameter fully_shard replaced, else None."""
+    entry = _replaced.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
 
 
 def unit_of(module: nn.Module):

@@ -32,6 +32,12 @@ DEFAULT_OPTIONS = dict(
 )
 
 
+SINGLE_PROCESS = (
+    "fsdp_ext: no process group and no launcher: this is one process and nothing is sharded "
+    "(world size 1). To shard, launch with torchrun (fully_shard then initialises the default "
+    "group, as torch's does) or call torch.distributed.init_process_group() first.")
+
+
 class Schedule:
     def __init__(self, root: Unit, units: list[Unit]):
         self.root = root
@@ -91,6 +97,8 @@ class Schedule:
                     "fully_shard to every submodule before the first forward of the model")
             unit.member_names, unit.name = names, unit_name(names)
         units = list(paths)
+        if root.groups.single_process:
+            warnings.warn(SINGLE_PROCESS, stacklevel=2)
         schedule = cls(root, units)
         for unit in units:
             unit.schedule = schedule
