@@ -119,3 +119,28 @@ def test_trace_order_and_timeline_png(tmp_path):
     # Not a blank canvas: many distinct colours (bars, labels, legend).
     pixels = matplotlib.image.imread(str(png)).reshape(-1, 4)[::7]
     assert len({tuple(p) for p in pixels.tolist()}) > 20
+
+
+def test_timeline_labels_never_overlap(tmp_path):
+    """Narrow neighbouring segments (the root's FWD0 just before BWD0, as around the loss) get at
+    most one label between them; labels on one sub-row never overlap, wide bars keep theirs."""
+    from fsdp_ext.runtime.trace import Event
+
+    events, t = [], 0.0
+    for kind, unit, dt in [("forward.begin", "", 0.0), ("forward.begin", "blocks.0", 0.004),
+                           ("forward.end", "blocks.0", 0.100), ("forward.end", "", 0.004),
+                           ("backward.begin", "", 0.0), ("backward.begin", "blocks.0", 0.004),
+                           ("backward.end", "blocks.0", 0.200), ("backward.end", "", 0.004)]:
+        t += dt
+        events.append(Event(kind, unit, t))
+    placed = timeline.draw([events, events], str(tmp_path / "t.png"))
+    labels = [label for label, _, _, _ in placed]
+    assert labels.count("FWD1") == 2 and labels.count("BWD1") == 2, labels  # the wide ones
+    # the 4 ms root segments around the loss: four candidates, room for at most one per rank
+    assert labels.count("FWD0") + labels.count("BWD0") <= 2, labels
+    rows = {}
+    for _, row, left, right in placed:
+        rows.setdefault(row, []).append((left, right))
+    for boxes in rows.values():
+        boxes.sort()
+        assert all(right <= next_left for (_, right), (next_left, _) in zip(boxes, boxes[1:]))

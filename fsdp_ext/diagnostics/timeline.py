@@ -161,8 +161,9 @@ def events_from_chrome_trace(path: str) -> list[Event]:
     return sorted(events, key=lambda e: e.t)
 
 
-def draw(per_rank: list[list[Event]], path: str, title: str = "") -> None:
-    """One PNG: for each rank a compute lane, an all-gather lane and a reduce-scatter lane."""
+def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[tuple[str, tuple, float, float]]:
+    """One PNG: for each rank a compute lane, an all-gather lane and a reduce-scatter lane.
+    Returns the labels written on bars: (label, (rank, lane, sub-row), left, right), in pixels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -175,6 +176,7 @@ def draw(per_rank: list[list[Event]], path: str, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(16, 1.2 + 1.5 * n))
     span_ms = max((s.end for ev in per_rank for s in spans(ev)), default=1.0) * 1e3
     yticks, ylabels, notes = [], [], []
+    candidates = []  # (label, bar left, bar width, y, fontsize, sub-row): placed after the layout
     for rank, events in enumerate(per_rank):
         base = (n - 1 - rank) * (len(lanes) + 0.6)
         rank_spans = spans(events)
@@ -191,9 +193,8 @@ def draw(per_rank: list[list[Event]], path: str, title: str = "") -> None:
                 yb = y + rows[id(s)] * height
                 ax.broken_barh([(x, w)], (yb, height * 0.95), facecolors=colors[_kind(s)],
                                edgecolor="white", linewidth=0.3)
-                if w > span_ms * 0.012:
-                    ax.text(x + w / 2, yb + height * 0.47, s.label.split(" ")[-1], ha="center",
-                            va="center", fontsize=6 if depth > 1 else 7, color="white")
+                candidates.append((s.label.split(" ")[-1], x, w, yb + height * 0.47,
+                                   6 if depth > 1 else 7, (rank, lane, rows[id(s)])))
                 # The exposed parts of a collective's bar, marked along its bottom edge.
                 for part in [p for p in rank_spans if lane != "compute" and p.lane == lane
                              and p.exposed and p.label.split(" ")[-1] == s.label
@@ -221,8 +222,33 @@ def draw(per_rank: list[list[Event]], path: str, title: str = "") -> None:
     fig.text(0.01, 0.005, "units: " + ", ".join(f"{i} = {u or 'root'}" for u, i in numbers.items()),
              fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    placed = _place_labels(fig, ax, candidates)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
+    return placed
+
+
+DPI = 130
+
+
+def _place_labels(fig, ax, candidates) -> list[tuple[str, tuple, float, float]]:
+    """Write each bar's label where it fits inside its bar and clears the previous label of its
+    sub-row, measured with the renderer once the layout is final (narrow neighbours such as the
+    root's FWD0 and BWD0 segments would otherwise print over each other); drop the others."""
+    fig.set_dpi(DPI)
+    renderer = fig.canvas.get_renderer()
+    placed, right_edge = [], {}
+    for label, x, w, y, size, row in sorted(candidates, key=lambda c: (c[5], c[1])):
+        left, right = (ax.transData.transform([(x, y), (x + w, y)])[:, 0])
+        text = ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=size,
+                       color="white")
+        box = text.get_window_extent(renderer)
+        if box.x0 < left or box.x1 > right or box.x0 < right_edge.get(row, float("-inf")):
+            text.remove()
+            continue
+        right_edge[row] = box.x1
+        placed.append((label, row, box.x0, box.x1))
+    return placed
 
 
 def _kind(s: Span) -> str:
