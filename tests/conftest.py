@@ -1,8 +1,11 @@
 """Shared pytest options: tests marked `slow` run only with --runslow, those marked `stream_check`
-(the scenario suite under the stream-order model) with --stream-check or --runslow. The example
-models (examples/models.py) are importable as `models`, as in the examples and benchmarks."""
+(the scenario suite under the stream-order model) with --stream-check or --runslow. `--budget-s N`
+skips, with that reason, every test that would start more than N seconds after the session began
+(CI runs the slow cases so, to stay within its time). The example models (examples/models.py) are
+importable as `models`, as in the examples and benchmarks."""
 import os
 import sys
+import time
 
 import pytest
 
@@ -14,9 +17,12 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run slow tests")
     parser.addoption("--stream-check", action="store_true", default=False,
                      help="also run the scenarios under the stream-order model")
+    parser.addoption("--budget-s", type=float, default=None,
+                     help="skip the tests that would start after this many seconds")
 
 
 def pytest_configure(config):
+    config._session_start = time.monotonic()
     config.addinivalue_line("markers", "slow: takes long; skipped unless --runslow is given")
     config.addinivalue_line("markers", "stream_check: the scenarios under the stream-order "
                             "model; skipped unless --stream-check or --runslow is given")
@@ -33,3 +39,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         elif "stream_check" in item.keywords and not stream_check:
             item.add_marker(skip_stream)
+
+
+def pytest_runtest_setup(item):
+    budget = item.config.getoption("--budget-s")
+    if budget is not None and time.monotonic() - item.config._session_start > budget:
+        pytest.skip(f"over the time budget of {budget:.0f} s (--budget-s)")

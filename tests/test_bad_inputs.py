@@ -266,6 +266,6 @@ def bad_inputs_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_bad_inputs(world_size):
     run_distributed(bad_inputs_worker, world_size)

@@ -19,6 +19,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_overlap_benchmark_writes_every_column(tmp_path):
     _run("bench_overlap.py", "--kinds", "sleep", "--sizes", "64", "--matmuls", "1",
          "--sleep-ms", "0.5", "--units", "3", "--reps", "1", "--out", str(tmp_path))
@@ -36,6 +37,7 @@ def test_overlap_benchmark_writes_every_column(tmp_path):
     assert (tmp_path / "overlap.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_host_overhead_benchmark_times_every_framework(tmp_path):
     result = _run("host_overhead.py", "--units", "4", "--reps", "1", "--out", str(tmp_path))
     report = json.loads((tmp_path / "host_overhead_w1.json").read_text())
@@ -47,6 +49,7 @@ def test_host_overhead_benchmark_times_every_framework(tmp_path):
     assert "| forward + backward |" in result.stdout
 
 
+@pytest.mark.slow
 def test_trainer_benchmark_times_every_implementation(tmp_path):
     pytest.importorskip("accelerate")
     _run("trainer_step.py", "--layers", "1", "--hidden", "64", "--steps", "3", "--warmup", "1",

@@ -41,6 +41,7 @@ def compile_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_compiled_unit_forward_trains():
     run_distributed(compile_worker, 2)
 
@@ -80,6 +81,7 @@ def whole_model_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_compiled_whole_model_trains():
     run_distributed(whole_model_worker, 2, timeout_s=300.0)
 

@@ -1,16 +1,15 @@
 """Every ```python block of README.md and docs/*.md runs, and every relative link points at a file.
 
 Each page's python blocks run in order in one namespace (a later block may use what an earlier one
-defined), in a fresh process per page, inside a world-size-1 gloo process group. Blocks that are
-not meant to run are fenced as ```bash or ```text; an unlabelled fence is an error, so a python
-block cannot hide behind one.
+defined), as one script on both ranks of a `torchrun --nproc-per-node 2` launch per page, with no
+process group made for them (tests/docs_runner.py). Blocks that are not meant to run are fenced as
+```bash or ```text; an unlabelled fence is an error, so a python block cannot hide behind one.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -49,55 +48,37 @@ def read(page: str) -> str:
         return f.read()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Runs in the child: reads [(label, code), ...] as JSON from stdin.
-RUNNER = r"""
-import json, linecache, sys, traceback
-import torch.distributed as dist
-import fsdp_ext
-
-blocks = json.load(sys.stdin)
-dist.init_process_group("gloo", rank=0, world_size=1)
-namespace = {"__name__": "__main__"}
-for label, code in blocks:
-    lines = code.splitlines(True)
-    linecache.cache[label] = (len(code), None, lines, label)
-    try:
-        exec(compile(code, label, "exec"), namespace)
-    except BaseException:
-        print(f"DOCS-FAILED {label}", file=sys.stderr)
-        traceback.print_exc()
-        fsdp_ext.exit_without_finalization(1)
-dist.destroy_process_group()
-print("DOCS-OK", len(blocks))
-fsdp_ext.exit_without_finalization(0)
-"""
+RUNNER = os.path.join(ROOT, "tests", "docs_runner.py")
+WORLD = 2
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_python_blocks_run(page, tmp_path):
+    """The page's python blocks as one script on every rank of a torchrun launch at world 2, from
+    one working directory (the README's command: PYTHONPATH=examples torchrun ...)."""
     blocks = [(f"{page}, block {i} (line {start})", code)
               for i, (start, code) in enumerate(
                   ((start, code) for lang, start, code in fenced_blocks(read(page))
                    if lang == "python"), 1)]
     if not blocks:
         return
-    env = dict(os.environ)
+    script = tmp_path / "blocks.json"
+    script.write_text(json.dumps(blocks))
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(
         [ROOT, os.path.join(ROOT, "examples")] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               TMPDIR=str(tmp_path))  # what a block writes to a temporary directory lands here
-    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(blocks), cwd=ROOT,
+    env["TMPDIR"] = str(tmp_path)  # what a block writes to a temporary directory lands here
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(WORLD), RUNNER, str(script)], cwd=work,
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if proc.returncode != 0 or f"DOCS-OK {len(blocks)}" not in proc.stdout:
-        pytest.fail(f"{page}: a python block failed (exit status {proc.returncode})\n"
-                    f"--- stderr ---\n{proc.stderr[-8000:]}\n--- stdout ---\n{proc.stdout[-2000:]}",
+    finished = [rank for rank in range(WORLD) if (work / f"docs-ok-rank{rank}").exists()]
+    if proc.returncode != 0 or finished != list(range(WORLD)):
+        pytest.fail(f"{page}: a python block failed at world {WORLD} (exit status "
+                    f"{proc.returncode}, ranks finished: {finished})\n--- stderr ---\n"
+                    f"{proc.stderr[-8000:]}\n--- stdout ---\n{proc.stdout[-2000:]}",
                     pytrace=False)
 
 

@@ -497,6 +497,6 @@ def _worker(rank, world):
     run_checks(CHECKS, rank, world)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fsdp1_surface_against_torch(world_size):
     run_distributed(_worker, world_size, timeout_s=300)

@@ -87,7 +87,7 @@ def same_script_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_same_script_as_torch_fsdp2(world_size):
     run_distributed(same_script_worker, world_size)
 
@@ -166,7 +166,7 @@ def state_dict_helpers_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_torch_state_dict_helpers(world_size):
     run_distributed(state_dict_helpers_worker, world_size)
 
@@ -339,7 +339,7 @@ def flows_worker(rank: int, world_size: int, directory: str) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_torchtitan_flows(world_size, tmp_path):
     run_distributed(flows_worker, world_size, str(tmp_path))
 
@@ -389,6 +389,7 @@ def hf_llama_loop(rank: int, world_size: int, directory: str) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_hugging_face_llama_loop(tmp_path):
     pytest.importorskip("transformers")
     run_distributed(hf_llama_loop, 2, str(tmp_path))

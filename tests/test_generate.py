@@ -117,6 +117,6 @@ def worker(rank: int, world: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_encoder_decoder_generate_matches_unwrapped(world_size):
     run_distributed(worker, world_size, timeout_s=240.0)

@@ -300,6 +300,7 @@ print("compiled", compiled)
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_gpu():
     try:
         import triton.backends.nvidia  # noqa: F401

@@ -10,6 +10,6 @@ from .dist_utils import run_distributed
 from .parity import parity_worker
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity(world_size):
     run_distributed(parity_worker, world_size)

@@ -106,6 +106,6 @@ def test_specs_cover_the_space():
     assert max(count_nodes(s) for s in specs) >= 4
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_random_trees_match_reference(world_size):
     run_distributed(parity_worker, world_size, draw_specs())

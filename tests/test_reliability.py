@@ -174,7 +174,7 @@ def divergence_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_divergence_raises_on_every_rank(world_size):
     run_distributed(divergence_worker, world_size)
 
@@ -213,7 +213,8 @@ def _names_last_rank(message: str, world_size: int, how: str = "gone: no heartbe
 
 @pytest.mark.parametrize("fail_step,checks,where", [
     (1, "on", "peers did not reach"),                  # tags on: blocked on a tag
-    (2, "off", "failed (collective_timeout 3 s)"),     # tags off: blocked in a collective
+    pytest.param(2, "off", "failed (collective_timeout 3 s)",  # tags off: blocked in a collective
+                 marks=pytest.mark.slow),
 ], ids=["tags-on", "tags-off"])
 def test_blocked_rank_times_out(fail_step, checks, where):
     world_size = 2
@@ -230,7 +231,7 @@ def test_blocked_rank_times_out(fail_step, checks, where):
         assert sleeper.returncode is None, "the sleeping rank should still be asleep"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_rank_leaving_the_loop_early_is_named(world_size):
     """The last rank's loop ends a step before the others' (it exits cleanly): the others raise
     within 60 s, naming it and the last iteration it recorded, at the default wait budget."""
@@ -247,7 +248,7 @@ def test_rank_leaving_the_loop_early_is_named(world_size):
 @pytest.mark.parametrize("mode,world_size,exit_code", [
     ("kill", 2, -9),     # SIGKILL in forward
     ("exit", 3, 7),      # os._exit in backward
-    ("raise", 2, 1),     # an exception in backward, left uncaught
+    pytest.param("raise", 2, 1, marks=pytest.mark.slow),  # an exception in backward, uncaught
 ], ids=["sigkill-forward", "exit-backward", "raise-backward"])
 def test_dead_rank_ends_survivors(mode, world_size, exit_code):
     with Ranks(["tests/fault_script.py", "--mode", mode, "--fail-step", "2"], world_size) as ranks:

@@ -96,7 +96,7 @@ def _parity_through_the_cache(rank: int, world_size: int) -> None:
     assert storage_cache.cached_bytes() > 0, "the runtime did not use the cache"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_parity_with_every_buffer_cached(world_size):
     run_distributed(_parity_through_the_cache, world_size)
 

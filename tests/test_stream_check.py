@@ -7,7 +7,8 @@ checked with it on CPU.
 2. Planted defects in the runtime: without a wait, with nothing kept alive, and the defects the
    model found (the no_sync accumulator and the post-forward chunks dropped while the side stream
    still read them; offloaded shards written by the host while their copy to the device may
-   still read them), each re-introduced by a patch, must be reported.
+   still read them), each re-introduced by a patch, must be reported (marked `stream_check`:
+   `make stream-check` runs them with the scenarios).
 3. The runtime, parity and training-loop scenarios run under the model (marked `stream_check`,
    `make stream-check`): every sharding strategy, reshard_after_forward True/False/int, prefetch
    depths, no_sync accumulation, CPU offload, HSDP, mixed precision, activation checkpointing,
@@ -170,6 +171,7 @@ def planted_worker(rank: int, world_size: int, plant: str) -> None:
     dist.barrier()
 
 
+@pytest.mark.stream_check
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_planted_runtime_defect_is_reported(plant):
     run_distributed(planted_worker, 4 if plant == "post_forward_chunks_dropped" else 2, plant)

@@ -38,6 +38,6 @@ def worker(rank: int, world: int, directory: str) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_titan_flow_matches_torch_fsdp2(world_size, tmp_path):
     run_distributed(worker, world_size, str(tmp_path), timeout_s=240)

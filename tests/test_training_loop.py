@@ -113,6 +113,22 @@ def check_nonfinite_gradient_names_unit(rank: int, world_size: int) -> None:
         model.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
 
+def check_nonfinite_report_stays_in_its_group(rank: int, world_size: int) -> None:
+    """Ranks 0 and 1 shard over a group of their own and the others never clip: the report's
+    exchange stays in the units' group (on the default group it would wait for ranks that never
+    come, and an NCCL group could not reduce the host tensor it used)."""
+    group = dist.new_group([0, 1])
+    if rank < 2:
+        torch.manual_seed(0)
+        model = _shard_mlp(MLP(), process_group=group)
+        x, y = _mlp_batch(0, 2)
+        x[0, 0] = float("nan") if rank == 1 else x[0, 0]
+        _mse(model, x, y).backward()
+        with pytest.raises(fsdp_ext.NonFiniteGradientError, match=r"blocks\.0"):
+            model.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    dist.barrier()
+
+
 def check_tiny_units_clip(rank: int, world_size: int) -> None:
     """Units smaller than the world size: some ranks own an empty shard."""
     torch.manual_seed(0)
@@ -283,6 +299,8 @@ def training_loop_worker(rank: int, world_size: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         check_clip_grad_norm(rank, world_size, mesh=init_device_mesh("cpu", (2, 2)))
     check_nonfinite_gradient_names_unit(rank, world_size)
+    if world_size > 2:
+        check_nonfinite_report_stays_in_its_group(rank, world_size)
     check_tiny_units_clip(rank, world_size)
     check_meta_init(rank, world_size)
     check_cpu_offload(rank, world_size)
@@ -293,6 +311,6 @@ def training_loop_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_loop(world_size):
     run_distributed(training_loop_worker, world_size)

@@ -113,10 +113,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
 
 def _nonfinite_report(units, per_unit, norm_type, total_norm) -> str:
-    """Name every unit whose gradient is not finite on some rank (all ranks agree on the list)."""
-    flags = torch.tensor([0.0 if t is None or torch.isfinite(t) else 1.0 for t in per_unit])
-    if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    """Name every unit whose gradient is not finite on some rank (all ranks agree on the list).
+
+    The flags are exchanged over the units' own groups, on their device, as the norm was: the
+    ranks that reach this point are exactly those that reduced the non-finite norm (a default
+    group could hold others that never call it, and an NCCL group cannot reduce a host tensor)."""
+    device = units[0].groups.device
+    flags = torch.stack([torch.zeros((), device=device) if t is None
+                         else (~torch.isfinite(t)).to(device=device, dtype=torch.float32)
+                         for t in per_unit])
+    groups = {id(g): g for u in units for g in (u.groups.shard, u.groups.replicate)
+              if g is not None}
+    for group in groups.values():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     bad = [u.name or "<root>" for u, f in zip(units, flags.tolist()) if f]
     return (f"the total {norm_type}-norm of the gradients is {total_norm.item()}; non-finite "
             f"gradients in unit(s): {', '.join(bad)}")
