@@ -30,7 +30,7 @@ $(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.
 	@if [ "$(BUILD_CUDA)" = 1 ]; then \
 	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp) and CUDA kernels (csrc/cuda/*.cu): about 8 minutes on 2 cores"; \
 	else \
-	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp): about 2 minutes on 2 cores; CUDA kernels skipped (no GPU; FSDP_EXT_CUDA=1 builds them)"; \
+	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp): about 3 minutes on 2 cores; CUDA kernels skipped (no GPU; FSDP_EXT_CUDA=1 builds them)"; \
 	fi
 	@start=$$(date +%s); \
 	FSDP_EXT_NO_CUDA=$(if $(filter 1,$(BUILD_CUDA)),0,1) MAX_JOBS=$(NPROC) \
@@ -78,7 +78,7 @@ cuda-check: venv
 gpu-check: build
 	$(VPY) tools/gpu_check.py
 
-# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), about 2 minutes once built.
+# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), about 1.5 minutes once built.
 train: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --profile --out-dir out/train
 
