@@ -161,7 +161,10 @@ def events_from_chrome_trace(path: str) -> list[Event]:
     return sorted(events, key=lambda e: e.t)
 
 
-def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[tuple[str, tuple, float, float]]:
+Label = tuple[str, tuple, float, float]  # (text, (rank, lane, sub-row), left, right) in pixels
+
+
+def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[Label]:
     """One PNG: for each rank a compute lane, an all-gather lane and a reduce-scatter lane.
     Returns the labels written on bars: (label, (rank, lane, sub-row), left, right), in pixels."""
     import matplotlib
@@ -231,7 +234,7 @@ def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[tuple[
 DPI = 130
 
 
-def _place_labels(fig, ax, candidates) -> list[tuple[str, tuple, float, float]]:
+def _place_labels(fig, ax, candidates) -> list[Label]:
     """Write each bar's label where it fits inside its bar and clears the previous label of its
     sub-row, measured with the renderer once the layout is final (narrow neighbours such as the
     root's FWD0 and BWD0 segments would otherwise print over each other); drop the others."""
