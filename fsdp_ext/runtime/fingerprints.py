@@ -86,6 +86,11 @@ class _LockedStore:
             return self.store.get(key)
 
 
+def _fresh(age: float | None) -> bool:
+    """Whether a heartbeat of this age (None: never written) comes from a live process."""
+    return age is not None and age < _HEARTBEAT_STALE_S
+
+
 def checks_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "on").lower() not in ("off", "0", "false")
 
@@ -265,10 +270,12 @@ class CollectiveChecker:
         deadline = time.monotonic() + _HEARTBEAT_GRACE_S
         while self.store is not None:
             states = {r: self._read_beat(r) for r in ranks if r != me}
-            # Alive and running: it may be about to wait; give its heartbeat a moment.
+            # A fresh beat may be about to change: a running peer may be about to wait, and one
+            # whose beat names another collective may have just exited after it (its last beat
+            # still says where it waited). Give them the grace period: a live peer keeps beating,
+            # a gone one's beat goes stale.
             if time.monotonic() >= deadline or not any(
-                    age is not None and age < _HEARTBEAT_STALE_S and state == "running"
-                    for age, state in states.values()):
+                    _fresh(age) and state != tag.description for age, state in states.values()):
                 break
             time.sleep(0.2)
         lines, behind = [], []
@@ -277,14 +284,14 @@ class CollectiveChecker:
                 lines.append(f"  rank {r}: waiting at {tag.description}")
                 continue
             age, state = states.get(r, (None, "running"))
-            if state != "running":
-                gone = "" if age is not None and age < _HEARTBEAT_STALE_S else " (since gone)"
-                lines.append(f"  rank {r}: waiting at {state}{gone}")
+            if state != "running" and _fresh(age):
+                lines.append(f"  rank {r}: waiting at {state}")
                 continue
             behind.append(r)
-            where = ("alive, in its own code (not waiting on a collective)"
-                     if age is not None and age < _HEARTBEAT_STALE_S else
-                     f"gone: no heartbeat for {age:.0f} s (exited or died)" if age is not None
+            last_beat = f"; its last beat: waiting at {state}" if state != "running" else ""
+            where = ("alive, in its own code (not waiting on a collective)" if _fresh(age) else
+                     f"gone: no heartbeat for {age:.0f} s (exited or died{last_beat})"
+                     if age is not None
                      else "gone: no heartbeat (or the store in rank 0's process is gone)")
             lines.append(f"  rank {r}: {where}; last record: {self._read_progress(r)}")
         self._linger(f"{self.namespace}/read/{tag.key}",
