@@ -26,6 +26,17 @@ class RankResult:
     output: str              # stdout and stderr together
 
 
+# What torchrun sets in each rank's environment: stripped from a child that must start as a user's
+# fresh `python` or `torchrun` command would (a launcher around pytest must not leak into it).
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK")
+
+
+def environment_without_launcher(*also: str) -> dict[str, str]:
+    """This process's environment less the launcher's variables (and `also`)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES + also}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

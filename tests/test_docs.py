@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from .proc_launch import environment_without_launcher
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
@@ -66,8 +68,7 @@ def test_python_blocks_run(page, tmp_path):
     script.write_text(json.dumps(blocks))
     work = tmp_path / "work"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = environment_without_launcher()
     env["PYTHONPATH"] = os.pathsep.join(
         [ROOT, os.path.join(ROOT, "examples")] + [p for p in [env.get("PYTHONPATH")] if p])
     env["TMPDIR"] = str(tmp_path)  # what a block writes to a temporary directory lands here

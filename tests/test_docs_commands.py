@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from .proc_launch import environment_without_launcher
 from .test_docs import ROOT, fenced_blocks, read
 
 ACTIVATE = os.path.join(ROOT, ".venv", "bin", "activate")
@@ -28,9 +29,7 @@ def test_the_page_prints_launch_commands():
 @pytest.mark.skipif(not os.path.exists(ACTIVATE), reason="no .venv made by `make build` here")
 @pytest.mark.parametrize("start,code", BLOCKS, ids=[f"line{start}" for start, _ in BLOCKS])
 def test_printed_commands_run(start, code):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "VIRTUAL_ENV")}
+    env = environment_without_launcher("VIRTUAL_ENV")
     proc = subprocess.run(["bash", "-e", "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     output = proc.stdout + proc.stderr

@@ -12,16 +12,14 @@ import sys
 
 import pytest
 
-from .proc_launch import REPO
+from .proc_launch import REPO, environment_without_launcher
 
 SCRIPT = os.path.join(REPO, "tests", "no_group_script.py")
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK")
 
 
 def run(args: list[str], out) -> list[dict]:
     """Run `python args` without any launcher variable; the ranks' JSON results, by rank."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env = environment_without_launcher()
     env.update(OMP_NUM_THREADS="1", NO_GROUP_OUT=str(out),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True,
