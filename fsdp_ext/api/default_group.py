@@ -31,25 +31,16 @@ def launched() -> bool:
     return any(name in os.environ for name in LAUNCHER_VARIABLES)
 
 
-def ensure_for_fully_shard() -> bool:
+def ensure_for_fully_shard() -> None:
     """fully_shard with neither mesh nor process group: the default group, initialised from the
     launcher's environment as torch's fully_shard does (`init_process_group()`: its backend choice,
-    its errors for incomplete variables). Returns False for the single-process mode."""
-    if not dist.is_available():
-        return False
-    if dist.is_initialized():
-        return True
-    if launched():
+    its errors for incomplete variables). Without a launcher: nothing (the single-process mode)."""
+    if dist.is_available() and not dist.is_initialized() and launched():
         dist.init_process_group()
-        return True
-    return False
 
 
-def ensure_for_fsdp1() -> bool:
+def ensure_for_fsdp1() -> None:
     """FullyShardedDataParallel with no process group: torch's FSDP1 error under a launcher (it
-    never initialises the group itself). Returns False for the single-process mode."""
-    if dist.is_available() and dist.is_initialized():
-        return True
-    if dist.is_available() and launched():
+    never initialises the group itself). Without a launcher: nothing (the single-process mode)."""
+    if dist.is_available() and not dist.is_initialized() and launched():
         raise ValueError(NO_DEFAULT_GROUP)
-    return False

@@ -162,6 +162,7 @@ def events_from_chrome_trace(path: str) -> list[Event]:
 
 
 Label = tuple[str, tuple, float, float]  # (text, (rank, lane, sub-row), left, right) in pixels
+DPI = 130  # the PNG's resolution; labels are measured at it
 
 
 def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[Label]:
@@ -229,9 +230,6 @@ def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[Label]
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return placed
-
-
-DPI = 130
 
 
 def _place_labels(fig, ax, candidates) -> list[Label]:
