@@ -153,6 +153,7 @@ class StreamModel:
         self.pools: dict[str, list[tuple[Block, str, list]]] = {}  # freed: (block, how, where)
         self.problems: list[str] = []
         self._seen: set[tuple] = set()
+        self.iteration = 0  # of the root whose forward began last (0: none yet)
 
     # ---- the seam ------------------------------------------------------------------------------
     def side_streams(self, device: torch.device) -> bool:
@@ -205,6 +206,19 @@ class StreamModel:
 
     def inject_delay(self, stream: ModelStream) -> None:
         pass  # the model has no clock to delay: every order it does not see is already suspect
+
+    def iteration_started(self, owner: object, iteration: int) -> None:
+        """A root's forward began its `iteration`-th step (1: the first)."""
+        self.iteration = iteration
+
+    # ---- for subclasses that record what runs (each called after the model's own bookkeeping) ----
+    def on_op(self, stream: str, func, args, kwargs, result) -> None:
+        """An op ran on `stream` (HOST for host memory only)."""
+
+    def on_host_sync(self, stream: str | None, kind: str, site: str, runtime: bool) -> None:
+        """The host is about to wait for the work queued on `stream` (None: on every stream of the
+        device): `kind` says what call (host_syncs.py), `site` where, `runtime` whether a frame of
+        fsdp_ext/runtime was on the stack."""
 
     def alloc_storage(self, tensor: torch.Tensor) -> None:
         self.poll_frees()
@@ -394,6 +408,7 @@ class _OpAccesses(TorchDispatchMode):
             self._allocated(result, func, tensors, stream, host)
         if not host and _syncs_host(func, args, kwargs, model):
             model._merge(HOST, model.clocks[stream])
+        model.on_op(stream, func, args, kwargs, result)
         return result
 
     def _allocated(self, result, func, inputs: list, stream: str | None = None,
@@ -455,10 +470,11 @@ def _syncs_host(func, args, kwargs, model: StreamModel) -> bool:
 
 
 @contextlib.contextmanager
-def stream_check(raise_on_exit: bool = True):
+def stream_check(raise_on_exit: bool = True, model: StreamModel | None = None):
     """Run the block with the stream-order model (see the module docstring); yields the model,
-    whose `problems` lists what was found; with `raise_on_exit`, StreamOrderError if any."""
-    model = StreamModel()
+    whose `problems` lists what was found; with `raise_on_exit`, StreamOrderError if any.
+    `model`: a StreamModel (or a subclass that records more) to use instead of a new one."""
+    model = model if model is not None else StreamModel()
     with streams.backend_installed(model), _OpAccesses(model):
         yield model
         model.poll_frees()

@@ -121,6 +121,7 @@ class Schedule:
             for bucket in unit.buckets:
                 bucket.release_grad_shard_if_unused()
         self.checker.next_iteration()
+        streams.iteration_started(self, self.checker.step)
         if not self.streams.side:
             self.post_optim_event = None  # no stream to order: the optimizer step already ended
         self._recording = {}

@@ -68,6 +68,9 @@ class DeviceStreams:
         if self.delay_cycles and stream.device.type == "cuda":
             torch.cuda._sleep(self.delay_cycles)  # queued on the current stream: `stream`
 
+    def iteration_started(self, owner: object, iteration: int) -> None:
+        pass  # (the stream-order model counts host syncs per steady-state step)
+
     def alloc_storage(self, tensor: torch.Tensor) -> None:
         tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
@@ -141,6 +144,11 @@ def inject_delay(stream) -> None:
     """Inside `use_stream(stream)`: hold `stream` up before its next work, when the test knob
     FSDP_EXT_SIDE_STREAM_DELAY_CYCLES asks for it (nothing otherwise)."""
     _backend.inject_delay(stream)
+
+
+def iteration_started(owner: object, iteration: int) -> None:
+    """The root `owner` began its `iteration`-th training step (its forward)."""
+    _backend.iteration_started(owner, iteration)
 
 
 def alloc_storage(tensor: torch.Tensor) -> None:
