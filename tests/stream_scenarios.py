@@ -3,6 +3,8 @@ training-loop suites' own checks, and the runtime paths they do not reach, each 
 unwrapped model. Under the model the runtime takes its side-stream (GPU) path on CPU tensors."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -74,10 +76,66 @@ def offload_then_host_update(rank: int, world_size: int) -> None:
     test_runtime._compare_training(rank, world_size, _gpt, wrap, _tokens, _gpt_loss)
 
 
-def run_all(rank: int, world_size: int) -> None:
-    parity.parity_worker(rank, world_size)  # strategies, reshard int (world 4), HSDP, bf16, tied
-    test_training_loop.training_loop_worker(rank, world_size)  # no_sync, clip, offload, meta, AC
-    test_runtime.runtime_worker(rank, world_size)  # units used twice, checkpointing, no_grad
-    prefetch_depths(rank, world_size)
-    explicit_async_unshard(rank, world_size)
-    offload_then_host_update(rank, world_size)
+def activation_checkpointing(rank: int, world_size: int) -> None:
+    """torch's checkpoint wrapper around every block, then fully_shard: three steps."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing)
+
+    def wrap(model):
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        return _shard_blocks()(model)
+    test_runtime._compare_training(rank, world_size, _gpt, wrap, _tokens, _gpt_loss)
+
+
+def clip_every_step(rank: int, world_size: int) -> None:
+    """clip_grad_norm_ between backward and the optimizer step, three steps. A bound no gradient
+    reaches leaves the results those of the unclipped reference; the clip still computes the norm
+    and scales every gradient. The norm comes back as a tensor: reading it would be the script's
+    own host sync."""
+    test_runtime._compare_training(rank, world_size, _gpt, _shard_blocks(), _tokens, _gpt_loss,
+                                   after_backward=lambda model, _: model.clip_grad_norm_(1e9))
+
+
+def tensor_parallel(rank: int, world_size: int) -> None:
+    """FSDP x TP on a (dp, tp) = (2, 2) mesh: three steps (world 4 only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .fsdp2_scripts import ours
+    from .test_fsdp2_interop import _tp_model, _tp_train
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _tp_model(ours(), mesh)
+    _tp_train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh, 3)
+
+
+def scenarios(world_size: int) -> list[tuple[str, object]]:
+    """(label, fn(rank, world_size)) for every scenario run under the model at `world_size`."""
+    out = [(case.name, lambda r, w, case=case: parity.run_case(case, r, w))
+           for case in parity.cases_for(world_size)]
+    loop = [test_training_loop.check_summon_and_sync_module_states,
+            test_training_loop.check_gradient_accumulation, test_training_loop.check_clip_grad_norm,
+            test_training_loop.check_nonfinite_gradient_names_unit,
+            test_training_loop.check_tiny_units_clip, test_training_loop.check_meta_init,
+            test_training_loop.check_cpu_offload, test_training_loop.check_checkpoint_wrapper]
+    if world_size == 4:
+        loop.append(test_training_loop.check_forward_without_backward_then_update)
+    out += [(fn.__name__.removeprefix("check_"), fn) for fn in loop]
+    runtime = [test_runtime.check_awkward_models, test_runtime.check_parameterless_root,
+               test_runtime.check_no_grad_frees_everything]
+    out += [(fn.__name__.removeprefix("check_"), fn) for fn in runtime]
+    if world_size == 2:
+        out += [("prefetch_order", lambda r, w: test_runtime.check_prefetch_order(r)),
+                ("in_flight_bound", lambda r, w: test_runtime.check_in_flight_bound(r))]
+    out += [("activation_checkpointing", activation_checkpointing),
+            ("clip_grad_norm_every_step", clip_every_step),
+            ("prefetch_depths", prefetch_depths), ("explicit_async_unshard", explicit_async_unshard),
+            ("offload_then_host_update", offload_then_host_update)]
+    if world_size == 4:
+        out.append(("fsdp_x_tp", tensor_parallel))
+    return out
+
+
+def run_all(rank: int, world_size: int, label=None) -> None:
+    """Every scenario, each inside `label(name)` (a context manager; the host-sync counter's)."""
+    for name, fn in scenarios(world_size):
+        with (label(name) if label is not None else contextlib.nullcontext()):
+            fn(rank, world_size)

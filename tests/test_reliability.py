@@ -8,6 +8,7 @@ the first failure and hide a hang.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import time
 
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_ext
+from fsdp_ext.diagnostics.stream_check import stream_check
+from fsdp_ext.runtime import fingerprints
 
 from .dist_utils import run_distributed
 from .proc_launch import Ranks
@@ -52,10 +55,10 @@ class TwoHeads(nn.Module):
         return self.a(h), self.b(h)
 
 
-def _sharded(model: nn.Module, children, group) -> nn.Module:
+def _sharded(model: nn.Module, children, group, **kwargs) -> nn.Module:
     for child in children:
-        fsdp_ext.fully_shard(child, process_group=group)
-    return fsdp_ext.fully_shard(model, process_group=group)
+        fsdp_ext.fully_shard(child, process_group=group, **kwargs)
+    return fsdp_ext.fully_shard(model, process_group=group, **kwargs)
 
 
 def _fresh_group(world_size: int):
@@ -102,12 +105,12 @@ def check_skipped_unit_in_forward(rank: int, world_size: int, at_step: int) -> N
                        "blocks.1")
 
 
-def check_swapped_units(rank: int, world_size: int) -> None:
+def check_swapped_units(rank: int, world_size: int, **shard_kwargs) -> None:
     """At step 3 the last rank runs blocks.2 before blocks.1: equal sizes, so the collectives
     match in shape and would exchange each other's data without the tags."""
     torch.manual_seed(0)
     model = Branchy()
-    _sharded(model, model.blocks, _fresh_group(world_size))
+    _sharded(model, model.blocks, _fresh_group(world_size), **shard_kwargs)
     x = torch.randn(4, 8)
     for _ in range(3):
         model(x).sum().backward()
@@ -177,6 +180,49 @@ def divergence_worker(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_divergence_raises_on_every_rank(world_size):
     run_distributed(divergence_worker, world_size)
+
+
+def _runtime_syncs(model, scenario: str) -> dict[str, int]:
+    """{call site's function: count} of the runtime's host syncs in `scenario`'s steady steps."""
+    counts: dict[str, int] = {}
+    for record in model.syncs.steady():
+        if record.origin == "runtime" and record.scenario == scenario:
+            name = record.site.rpartition("(")[2].rstrip(")")
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def device_tags_worker(rank: int, world_size: int) -> None:
+    """The accelerator path (side streams, under the stream-order model on CPU): tags compared
+    on the device and read once per step. Ranks that agree pass with one host sync per step (the
+    flags' read); swapped units raise the same CollectiveMismatchError on every rank, at the end
+    of the backward. FSDP_EXT_CHECK=sync brings back the host check at every collective."""
+    with stream_check(raise_on_exit=False) as model:
+        with model.syncs.label("agree"):
+            check_matching_ranks_pass(rank, world_size)
+        with model.syncs.label("swapped"):
+            # Without prefetch and without regathers in backward both orders issue the same
+            # kinds of collectives in the same places: the model runs them on the host, where a
+            # mismatched kind would block in gloo (a GPU's streams would queue it, and
+            # read_flags' bounded wait would find the flags that did arrive).
+            check_swapped_units(rank, world_size, forward_prefetch=0, backward_prefetch=0,
+                                reshard_after_forward=False)
+        os.environ[fingerprints.CHECK_ENV] = "sync"
+        try:
+            with model.syncs.label("sync"):
+                check_matching_ranks_pass(rank, world_size)
+        finally:
+            del os.environ[fingerprints.CHECK_ENV]
+    steps = len(model.syncs.steps["agree"])
+    assert steps >= 28 and _runtime_syncs(model, "agree") == {"read_flags": steps}, \
+        _runtime_syncs(model, "agree")
+    sync_mode = _runtime_syncs(model, "sync")
+    assert sync_mode.get("_check", 0) >= 3 * len(model.syncs.steps["sync"]), sync_mode
+    dist.barrier()
+
+
+def test_divergence_raises_on_every_rank_with_device_tags():
+    run_distributed(device_tags_worker, 2)
 
 
 # ---- a rank that blocks or dies ---------------------------------------------------------------------

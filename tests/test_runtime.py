@@ -76,11 +76,13 @@ def check_in_flight_bound(rank: int) -> None:
         assert not any(u.holds_unsharded_memory() for u in units_of(model)), "leaked after backward"
 
 
-def _compare_training(rank, world_size, build, wrap, batch, loss_fn, steps=3, per_chunk=False):
+def _compare_training(rank, world_size, build, wrap, batch, loss_fn, steps=3, per_chunk=False,
+                      after_backward=None):
     """Train wrapped and reference models; compare losses and gathered parameters.
 
     per_chunk: the reference runs each rank's slice separately and averages (for BatchNorm, whose
-    training-mode statistics are per rank by design).
+    training-mode statistics are per rank by design). after_backward(model, reference): called
+    between each backward and optimizer step.
     """
     reference = build()
     model = wrap(copy.deepcopy(reference))
@@ -92,6 +94,8 @@ def _compare_training(rank, world_size, build, wrap, batch, loss_fn, steps=3, pe
                        local_slice(targets, rank, world_size))
         loss.backward()
         grads_none = {n for n, p in model.named_parameters() if p.grad is None}
+        if after_backward is not None:
+            after_backward(model, reference)
         opt.step()
         opt.zero_grad()
         if per_chunk:

@@ -16,10 +16,14 @@ checked with it on CPU.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
 from fsdp_ext.runtime import comm, streams
 from fsdp_ext.runtime import unit as unit_module
@@ -29,6 +33,7 @@ from . import parity, stream_scenarios
 from .dist_utils import run_distributed
 
 CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- 1. the model on hand-written programs ------------------------------------------------------
@@ -134,6 +139,7 @@ def _drop_post_forward_chunks(original):
 def _no_host_sync(original):
     def sync_host_reads(self):
         self.host_read_event = None  # planted: the host never waits for the copies of its shards
+        original(self)
     return sync_host_reads
 
 
@@ -178,9 +184,23 @@ def test_planted_runtime_defect_is_reported(plant):
 
 
 # ---- 3. the scenarios under the model -----------------------------------------------------------
+SYNC_TABLE_DIR = os.environ.get("FSDP_EXT_SYNC_TABLE_DIR", os.path.join(ROOT, "out", "stream-check"))
+
+
 def scenario_worker(rank: int, world_size: int) -> None:
-    with stream_check():
-        stream_scenarios.run_all(rank, world_size)
+    with stream_check() as model:
+        stream_scenarios.run_all(rank, world_size, model.syncs.label)
+    rows = model.syncs.per_step()
+    if rank == 0:  # make stream-check prints it (python -m fsdp_ext.diagnostics.host_syncs)
+        os.makedirs(SYNC_TABLE_DIR, exist_ok=True)
+        steps = {name: len(model.syncs.steps[name])
+                 for name, _ in stream_scenarios.scenarios(world_size)}
+        with open(os.path.join(SYNC_TABLE_DIR, f"syncs_w{world_size}.json"), "w") as f:
+            json.dump({"world_size": world_size, "steps": steps,
+                       "rows": [[*key, rate] for key, rate in sorted(rows.items())]}, f, indent=1)
+    bad = host_syncs.over_allowance(rows)
+    assert not bad, (f"rank {rank}: host syncs in the runtime's steady-state step beyond "
+                     "host_syncs.ALLOWED:\n" + "\n".join(bad))
     dist.barrier()
 
 

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..runtime import streams
+from .host_syncs import HostSyncCounter, SyncCalls, copy_blocks
 
 HOST = "host"
 SMALL_POOL_BYTES = 1 << 20  # the caching allocator serves allocations up to 1 MiB from a separate pool
@@ -96,6 +97,7 @@ class Block:
     write: Access | None = None
     reads: dict[str, Access] = field(default_factory=dict)
     weak: int | None = None                     # weak reference to the storage
+    pinned: bool = False                        # page-locked host memory (streams.host_empty)
 
 
 class ModelStream:
@@ -154,6 +156,7 @@ class StreamModel:
         self.problems: list[str] = []
         self._seen: set[tuple] = set()
         self.iteration = 0  # of the root whose forward began last (0: none yet)
+        self.syncs = HostSyncCounter(self)
 
     # ---- the seam ------------------------------------------------------------------------------
     def side_streams(self, device: torch.device) -> bool:
@@ -202,7 +205,11 @@ class StreamModel:
 
     def synchronize(self, event: ModelEvent) -> None:
         self.poll_frees()
+        self.syncs.record("Event.synchronize", event.stream)
         self._merge(HOST, event.clock)
+
+    def query(self, event: ModelEvent) -> bool:
+        return True  # every result is computed already; the synchronize that follows is the sync
 
     def inject_delay(self, stream: ModelStream) -> None:
         pass  # the model has no clock to delay: every order it does not see is already suspect
@@ -210,6 +217,7 @@ class StreamModel:
     def iteration_started(self, owner: object, iteration: int) -> None:
         """A root's forward began its `iteration`-th step (1: the first)."""
         self.iteration = iteration
+        self.syncs.iteration_started(owner, iteration)
 
     # ---- for subclasses that record what runs (each called after the model's own bookkeeping) ----
     def on_op(self, stream: str, func, args, kwargs, result) -> None:
@@ -236,7 +244,7 @@ class StreamModel:
 
     def host_empty(self, shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype)  # (pinning needs an accelerator; no copy waits)
-        self._new_block(tensor, HOST, "host_empty", _stack(), host=True)
+        self._new_block(tensor, HOST, "host_empty", _stack(), host=True).pinned = pin
         return tensor
 
     # ---- clocks --------------------------------------------------------------------------------
@@ -381,10 +389,18 @@ class _OpAccesses(TorchDispatchMode):
         reads, writes, shaped_by = _classify(func, args, kwargs)
         fresh_outputs = not func._schema.is_mutable and not _aliases_input(func)
         tensors = reads + writes + shaped_by
-        if not tensors:
+        if not tensors:  # a factory, or an op on 0-dim tensors only
             result = func(*args, **kwargs)
+            scalars = [t for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor) and t.dim() == 0]
+            # the result of host scalars is a host scalar; of none (a factory), the device's
+            # unless the factory had no device (SyncCalls says so afterwards)
+            host = bool(scalars) and all(model.syncs.scalar_is_host(t) for t in scalars)
             if fresh_outputs:
                 self._allocated(result, func, [])
+                self._scalars(result, host)
+            model.on_op(HOST if host else model.current_stream(torch.device("cpu")).name, func,
+                        args, kwargs, result)
             return result
         on_host = [model._block(t).host for t in tensors]
         device = next((t.device for t, h in zip(tensors, on_host) if not h), None)
@@ -403,13 +419,22 @@ class _OpAccesses(TorchDispatchMode):
             model.access(t, stream, tick, "read", op, stack)
         for t in writes:
             model.access(t, stream, tick, "write", op, stack)
+        if not host and (kind := copy_blocks(model.syncs, func, args, kwargs, model)):
+            model.syncs.record(kind, stream)
         result = func(*args, **kwargs)
         if fresh_outputs:
             self._allocated(result, func, tensors, stream, host)
+            self._scalars(result, host)
         if not host and _syncs_host(func, args, kwargs, model):
             model._merge(HOST, model.clocks[stream])
         model.on_op(stream, func, args, kwargs, result)
         return result
+
+    def _scalars(self, result, host: bool) -> None:
+        for out in tree_flatten(result)[0]:
+            if isinstance(out, torch.Tensor) and out.dim() == 0 and out.device.type != "meta" \
+                    and type(out) is torch.Tensor:
+                self.model.syncs.note_scalar(out, host)
 
     def _allocated(self, result, func, inputs: list, stream: str | None = None,
                    host: bool = False) -> None:
@@ -470,12 +495,29 @@ def _syncs_host(func, args, kwargs, model: StreamModel) -> bool:
 
 
 @contextlib.contextmanager
+def _explicit_synchronize(model: StreamModel):
+    """`torch.cuda.synchronize()` and `torch.accelerator.synchronize()` inside the block: a host
+    sync on every stream of the device (the model's host learns everything issued so far)."""
+    def synchronize(device=None):
+        model.syncs.record("device synchronize")
+        for clock in list(model.clocks.values()):
+            model._merge(HOST, clock)
+    saved = torch.cuda.synchronize, torch.accelerator.synchronize
+    torch.cuda.synchronize = torch.accelerator.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.accelerator.synchronize = saved
+
+
+@contextlib.contextmanager
 def stream_check(raise_on_exit: bool = True, model: StreamModel | None = None):
     """Run the block with the stream-order model (see the module docstring); yields the model,
     whose `problems` lists what was found; with `raise_on_exit`, StreamOrderError if any.
     `model`: a StreamModel (or a subclass that records more) to use instead of a new one."""
     model = model if model is not None else StreamModel()
-    with streams.backend_installed(model), _OpAccesses(model):
+    with streams.backend_installed(model), _OpAccesses(model), SyncCalls(model.syncs), \
+            _explicit_synchronize(model):
         yield model
         model.poll_frees()
     if raise_on_exit and model.problems:

@@ -198,7 +198,8 @@ class Pending:
         checked first: a divergent rank raises here, before any of the data is used."""
         tags, self.tags = self.tags, []
         for tag in tags:
-            tag.verify(self.timeout)
+            if not tag.on_device:
+                tag.verify(self.timeout)
         checker = tags[-1].checker if tags else None
         if checker is not None:  # the heartbeat says where this rank is blocked
             checker.waiting_at = tags[-1].description
@@ -227,6 +228,9 @@ class Pending:
             else:
                 streams.wait_event(streams.current_stream(self.device), self.event)
             self.event = None
+        for tag in tags:  # now ordered after the exchange: compared on the device, read per step
+            if tag.on_device:
+                tag.compare()
         self.keep_alive.clear()
 
 
@@ -251,11 +255,14 @@ class Streams:
         waited for the compute stream, so it sees every earlier write and may reuse memory freed
         before this call. `keep_alive` holds whatever `fn` reads or writes that another stream
         allocated, until the record is waited on. `after_event` (FSDPModule.set_post_optim_event):
-        the side stream waits for that event instead of the whole compute stream. `tags()` issues
-        the collectives' tag exchanges (fingerprints.py) right before `fn`, on the same stream.
+        the side stream waits for that event instead of the whole compute stream. `tags()` makes
+        the collectives' tags (fingerprints.py), exchanged right before `fn`, on the same stream.
         """
+        # Made here, on the compute stream, which then owns their memory (fingerprints.Tag).
+        issued = [t for t in (tags() if tags is not None else ()) if t is not None]
         if not self.side:
-            issued = [t for t in (tags() if tags is not None else ()) if t is not None]
+            for tag in issued:
+                tag.exchange()
             try:
                 works = [w for w in fn(True) if w is not None]
             except Exception as exc:
@@ -269,7 +276,8 @@ class Streams:
             streams.wait_stream(stream, streams.current_stream(self.device))
         with streams.use_stream(stream):
             streams.inject_delay(stream)
-            issued = [t for t in (tags() if tags is not None else ()) if t is not None]
+            for tag in issued:
+                tag.exchange()
             fn(False)
             event = streams.record_event(stream)
         return Pending(event=event, device=self.device, keep_alive=keep_alive, label=label,

@@ -5,12 +5,26 @@ Each all-gather, reduce-scatter and (HSDP) all-reduce is issued together with a 
 64-bit hash of (kind, unit, the buckets' sizes and dtypes, its sequence number on that process
 group), all-gathered asynchronously on the same group just before the data collective,
 in the same order (the same stream on accelerators). Nothing waits for it at issue time. Where the
-data is waited for (`comm.Pending.wait`), the tag is waited for first and compared: if any rank
-sent another tag (it skipped or reordered a unit, ran an extra micro-batch, left the loop), every
-rank raises CollectiveMismatchError before touching the data, even when the two collectives had
-the same size and their bytes were silently exchanged. Each rank then writes what it was doing to
+data is waited for (`comm.Pending.wait`), the tag is checked: if any rank sent another tag (it
+skipped or reordered a unit, ran an extra micro-batch, left the loop), every rank raises
+CollectiveMismatchError, even when the two collectives had the same size and their bytes were
+silently exchanged: on CPU ranks before touching the data, on accelerators at the end of the
+step's backward, before the optimizer step ([Note: checking on the device]). Each rank then writes what it was doing to
 the process group's store and reads the others' (bounded), so the error names, for every rank, the
-collective it was at. See [Note: tags beside the data] for why the tag is a collective of its own.
+collective it was at. See [Note: checking on the device]
+On CPU ranks the host compares the gathered tags where the data is waited for: that wait is the
+host's anyway. On an accelerator a host compare would block the host at every collective (a
+device-to-host copy of the tags waits for everything queued before it), so the host could never
+run more than one unit ahead of the device. There the tag is made by a fill kernel (no host
+copy), compared on the compute stream where the data is waited for (`Tag.compare`: one flag per
+exchange, no sync), and the flags of a step are copied to pinned host memory and read once, by
+`read_flags` at the end of backward (or of a forward without gradients): one bounded host sync per
+step. A mismatch then raises on every rank of the group before the optimizer step; the
+mismatched data may have fed that step's forward and backward, whose results the error discards.
+A stalled peer surfaces there too, within the collective timeout (or earlier, at a host sync of
+the user's own, such as `loss.item()`, which the process group's watchdog bounds).
+
+[Note: tags beside the data] for why the tag is a collective of its own.
 
 Every wait is bounded (comm.collective_timeout: 300 s by default, well under the process group's
 own timeout). A daemon thread keeps a heartbeat per rank in the store (every 0.5 s: the time, and
@@ -22,8 +36,23 @@ record (written twice per iteration, one forward of the root: as it starts and w
 ends).
 
 `FSDP_EXT_CHECK=off` turns the tags off; it exists to measure what they cost (docs/benchmarks.md).
+`FSDP_EXT_CHECK=sync` checks every tag on the host where its data is waited for, on accelerators
+too (the earliest error, at the price of the host syncs below).
 After a CollectiveMismatchError the process group may hold mismatched collectives in flight: the
 run cannot go on (as after any collective failure); end it.
+
+[Note: checking on the device]
+On CPU ranks the host compares the gathered tags where the data is waited for: that wait is the
+host's anyway. On an accelerator a host compare would block the host at every collective (a
+device-to-host copy of the tags waits for everything queued before it), so the host could never
+run more than one unit ahead of the device. There the tag is made by a fill kernel (no host
+copy), compared on the compute stream where the data is waited for (`Tag.compare`: one flag per
+exchange, no sync), and the flags of a step are copied to pinned host memory and read once, by
+`read_flags` at the end of backward (or of a forward without gradients): one bounded host sync per
+step. A mismatch then raises on every rank of the group before the optimizer step; the
+mismatched data may have fed that step's forward and backward, whose results the error discards.
+A stalled peer surfaces there too, within the collective timeout (or earlier, at a host sync of
+the user's own, such as `loss.item()`, which the process group's watchdog bounds).
 
 [Note: tags beside the data]
 The tags could ride inside the data buffers (a tail per rank's slot), saving the tiny collective.
@@ -59,6 +88,7 @@ _STORE_WAIT_S = 10.0  # how long to wait for the other ranks' accounts of a mism
 _HEARTBEAT_PERIOD_S = 0.5
 _HEARTBEAT_STALE_S = 2.5  # a heartbeat older than this: the process is gone
 _HEARTBEAT_GRACE_S = 3.0  # after a stall, how long to let running peers start waiting
+_FLAGS_PER_BUFFER = 256  # tag flags per pinned host buffer (a step of a 40-unit model needs ~120)
 # The heartbeat thread and the training thread share the store's one client connection, which
 # must not carry two requests at once.
 _STORE_LOCK = threading.Lock()
@@ -91,8 +121,11 @@ def _fresh(age: float | None) -> bool:
     return age is not None and age < _HEARTBEAT_STALE_S
 
 
-def checks_enabled() -> bool:
-    return os.environ.get(CHECK_ENV, "on").lower() not in ("off", "0", "false")
+def check_mode() -> str:
+    """FSDP_EXT_CHECK: "off" (also 0, false), "sync" (every tag checked on the host where its
+    data is waited for, also on accelerators), else "on"."""
+    value = os.environ.get(CHECK_ENV, "on").lower()
+    return "off" if value in ("off", "0", "false") else "sync" if value == "sync" else "on"
 
 
 def _hash(text: str) -> int:
@@ -119,14 +152,45 @@ def _store():
 
 
 class Tag:
-    """One tag exchange in flight; `verify()` before the data it stands for is used."""
+    """One tag exchange: made by `CollectiveChecker.issue`, started by `exchange()` right before
+    its data collective (on the same stream), checked before that data is used.
+
+    Two ways to check (see [Note: checking on the device]): `verify()` on the host where the data
+    is waited for (CPU ranks; `FSDP_EXT_CHECK=sync`), or `compare()` on the device where the data is
+    waited for, into a flag that `CollectiveChecker.read_flags` reads once per step."""
 
     def __init__(self, checker: "CollectiveChecker", group, key: str, sequence: int,
-                 description: str, mine: torch.Tensor, everyone: torch.Tensor, work, event):
+                 description: str, value: int, size: int):
         self.checker, self.group, self.key, self.sequence = checker, group, key, sequence
-        self.description = description
-        self.mine, self.everyone, self.work, self.event = mine, everyone, work, event
+        self.description, self.value = description, value
+        self.on_device = checker.on_device
+        # Allocated on the issuing (compute) stream, written by the collective's stream, read back
+        # on the compute stream and dropped there: the compute stream owns both blocks.
+        self.mine = torch.empty(1, dtype=torch.int64, device=checker.device)
+        self.everyone = torch.empty(size, dtype=torch.int64, device=checker.device)
+        self.work = self.event = None
+        self.bad: torch.Tensor | None = None  # on the device: how many ranks' tags differ
+        self.slot = -1                        # its flag's place in the checker's pinned buffers
         self.checked = False
+
+    def exchange(self) -> "Tag":
+        """All-gather the tag on the current stream. `fill_` takes the value as a kernel
+        argument: nothing is copied from the host, nothing waits."""
+        self.mine.fill_(self.value)
+        if self.checker.side_streams:
+            all_gather_flat(self.everyone, self.mine, group=self.group, async_op=False)
+            self.event = streams.record_event(streams.current_stream(self.checker.device))
+        else:
+            self.work = all_gather_flat(self.everyone, self.mine, group=self.group, async_op=True)
+        return self
+
+    def compare(self) -> None:
+        """On the current stream, which must be ordered after the exchange: how many ranks sent
+        another tag than the group's first, copied without waiting into this tag's slot of pinned
+        host memory (read_flags reads it)."""
+        self.bad = self.everyone.ne(self.everyone[0]).sum()
+        self.checker.flag_slot(self.slot).copy_(self.bad, non_blocking=True)
+        self.checked = True
 
     def verify(self, timeout: datetime.timedelta | None) -> None:
         """Check this tag and every earlier one of its group not checked yet, in issue order: the
@@ -162,11 +226,19 @@ class CollectiveChecker:
         self.device = device
         self.timeout = timeout
         self.side_streams = side_streams
-        self.enabled = checks_enabled()
+        mode = check_mode()
+        self.enabled = mode != "off"
+        # With side streams the host must not wait for the device at each collective.
+        self.on_device = side_streams and mode == "on"
         self.namespace = f"fsdp_ext/checks/{next(_NAMESPACES)}"
         self.step = 0
+        self._read_since_forward = True  # read_flags ran since the last forward began
         self.sequences: dict[str, int] = {}
         self.outstanding: dict[str, collections.deque] = {}  # per group: tags not checked yet
+        self.unread: list[Tag] = []  # on the device: tags since the last read_flags, issue order
+        # Pinned host memory the compared flags are copied into, _FLAGS_PER_BUFFER a buffer, kept
+        # and reused: a slot is written again only after read_flags waited for its copy.
+        self._flag_buffers: list[torch.Tensor] = []
         self._group_keys: dict[int, tuple] = {}  # id(group) -> (key, size, group)
         self.last = "nothing yet"  # the last collective this rank issued, for progress records
         self.store = _store() if self.enabled else None
@@ -187,6 +259,9 @@ class CollectiveChecker:
             self.store = None
 
     def next_iteration(self) -> None:
+        if not self._read_since_forward:  # a forward with gradients whose backward never ran
+            self.read_flags()
+        self._read_since_forward = False
         self.step += 1
         self._record("forward started")
 
@@ -196,8 +271,8 @@ class CollectiveChecker:
     # ---- tags ---------------------------------------------------------------------------------------
     def issue(self, group, kind: str, unit: str, sizes: list[tuple[int, torch.dtype]],
               phase: str) -> Tag | None:
-        """Start the tag exchange of the collective about to be issued on `group` (call it right
-        before the data collective, on the same stream)."""
+        """The tag of the collective about to be issued on `group`; `exchange()` it right before
+        the data collective, on the same stream."""
         if group is None or not self.enabled:
             return None
         if (known := self._group_keys.get(id(group))) is None:  # the group stays referenced
@@ -212,17 +287,69 @@ class CollectiveChecker:
         description = f"{what}, {phase}, iteration {self.step}"
         # Not the iteration: a forward that issues nothing (every unit already gathered) on one
         # rank would shift it without any divergence in the collectives themselves.
-        mine = torch.tensor([_hash(what)], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(size, dtype=torch.int64, device=self.device)
-        if self.side_streams:
-            all_gather_flat(everyone, mine, group=group, async_op=False)
-            tag = Tag(self, group, key, sequence, description, mine, everyone, None,
-                      streams.record_event(streams.current_stream(self.device)))
+        tag = Tag(self, group, key, sequence, description, _hash(what), size)
+        if tag.on_device:
+            tag.slot = len(self.unread)
+            self.unread.append(tag)
         else:
-            work = all_gather_flat(everyone, mine, group=group, async_op=True)
-            tag = Tag(self, group, key, sequence, description, mine, everyone, work, None)
-        self.outstanding.setdefault(key, collections.deque()).append(tag)
+            self.outstanding.setdefault(key, collections.deque()).append(tag)
         return tag
+
+    def flag_slot(self, slot: int) -> torch.Tensor:
+        """The 0-dim pinned host tensor a tag's flag is copied into (-1 until it arrives)."""
+        index, offset = divmod(slot, _FLAGS_PER_BUFFER)
+        while len(self._flag_buffers) <= index:
+            buffer = streams.host_empty(_FLAGS_PER_BUFFER, torch.int64, pin=True)
+            self._flag_buffers.append(buffer.fill_(-1))
+        return self._flag_buffers[index][offset]
+
+    def _flags(self, count: int) -> list[int]:
+        """The first `count` flags as the host sees them now; the slots are reset for reuse."""
+        values = []
+        for index in range((count + _FLAGS_PER_BUFFER - 1) // _FLAGS_PER_BUFFER):
+            buffer = self._flag_buffers[index]
+            values += buffer[:count - index * _FLAGS_PER_BUFFER].tolist()
+            buffer.fill_(-1)
+        return values
+
+    def read_flags(self) -> None:
+        """On the device: the one host sync of a step (the end of backward; the end of a forward
+        without gradients; else the next forward). Compares the tags whose data nobody waited for
+        (after their exchange only: the data may still be in flight), then waits, bounded, until
+        every flag reached pinned host memory; a mismatch raises on every rank of the group, before
+        an optimizer step can use the data. When the wait times out, the flags that did arrive
+        still name a mismatch (a divergent rank's extra collective stalls the others' streams)."""
+        self._read_since_forward = True
+        tags, self.unread = self.unread, []
+        if not tags:
+            return
+        current = streams.current_stream(self.device)
+        for tag in tags:
+            if tag.bad is None:
+                if tag.event is not None:
+                    streams.wait_event(current, tag.event)
+                tag.compare()
+        copied = streams.record_event(current)
+        self.waiting_at = tags[-1].description
+        try:
+            if self.timeout is not None:
+                deadline = time.monotonic() + self.timeout.total_seconds()
+                while not streams.query(copied):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError("timed out waiting for the step's collectives")
+                    time.sleep(1e-4)
+            streams.synchronize(copied)
+        except Exception as exc:
+            arrived = self._flags(len(tags))  # no wait: what the device copied so far
+            for tag, bad in zip(tags, arrived):
+                if bad > 0:
+                    self.report_mismatch(tag)
+            self.report_stalled(tags[-1], self.timeout, exc, verb="finish")
+        finally:
+            self.waiting_at = None
+        for tag, bad in zip(tags, self._flags(len(tags))):
+            if bad > 0:
+                self.report_mismatch(tag)
 
     # ---- reports ------------------------------------------------------------------------------------
     def _exchange(self, tag: Tag, mine: str) -> dict[int, str]:

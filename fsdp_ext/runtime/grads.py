@@ -137,7 +137,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
 
     def finish() -> None:
         with span("reduce_scatter.wait", unit.name):
-            pending.wait(host=offload_on_stream)  # the host epilogue reads the copy to the host
+            pending.wait()
         if nonfinite is not None:
             finite.raise_if_nonfinite(unit, index, nonfinite)
         if keep_partial:  # HSDP, all-reduce deferred: nothing reaches .grad yet
@@ -150,21 +150,31 @@ def reduce_bucket(unit, index: int, grads) -> None:
             pieces, divisor = _run_all_reduce_hook(unit.all_reduce_hook, pieces, post, reduce_dtype)
         if unit.offload is not None and not side:
             pieces = [to_host(p) for p in pieces]
-        accumulate = bucket.sync_param_grads_into_buffer()
-        with profiler_range("grad_epilogue", unit.name):
-            for g, piece in zip(bucket.layout.groups, pieces):
-                ops.grad_epilogue(piece, bucket.grad_shard.narrow(0, g.shard_offset, g.shard_numel),
-                                  1.0 / divisor, accumulate)
         storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
         result.clear()  # the packed buffer can go now, not when this closure is dropped
-        for i, (slot, view, was_used) in enumerate(zip(bucket.slots, bucket.grad_views, used_now)):
-            # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
-            if slot.param.grad is None and not was_used and not view.any():
-                continue
-            bucket.publish_grad(i)
+        if offload_on_stream:  # the host reads the copies after the step's one wait for them
+            unit.schedule.after_host_sync(
+                lambda: _epilogue(unit.name, bucket, pieces, divisor, used_now))
+        else:
+            _epilogue(unit.name, bucket, pieces, divisor, used_now)
 
     finish.pending = pending  # what Schedule.abandon_backward waits for without applying
     unit.schedule.add_pending_reduce_scatter(finish)
+
+
+def _epilogue(unit_name: str, bucket: Bucket, pieces: list[torch.Tensor], divisor: float,
+              used: list[bool]) -> None:
+    """Accumulate this rank's reduced shard into the bucket's gradient shard; publish `.grad`."""
+    accumulate = bucket.sync_param_grads_into_buffer()
+    with profiler_range("grad_epilogue", unit_name):
+        for g, piece in zip(bucket.layout.groups, pieces):
+            ops.grad_epilogue(piece, bucket.grad_shard.narrow(0, g.shard_offset, g.shard_numel),
+                              1.0 / divisor, accumulate)
+    for i, (slot, view, was_used) in enumerate(zip(bucket.slots, bucket.grad_views, used)):
+        # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
+        if slot.param.grad is None and not was_used and not view.any():
+            continue
+        bucket.publish_grad(i)
 
 
 def _run_all_reduce_hook(hook, pieces: list[torch.Tensor], post: float,

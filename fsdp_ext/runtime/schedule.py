@@ -64,6 +64,7 @@ class Schedule:
         # without blocking the host. Its latest event, until the host has waited for it: the host
         # (optimizer steps, state-dict loads, user edits) must not write a shard before that.
         self.host_read_event = None
+        self.host_work: list = []  # after_host_sync
         # Units a forward with grad left unsharded (the root, the last unit) for its backward;
         # emptied when that backward ends. Still there at the next root forward: that backward
         # never ran, and their gathered values may be stale (the shards may have changed since).
@@ -110,6 +111,7 @@ class Schedule:
         if self._backward_queued:  # the last backward raised before its end-of-backward callback
             self.abandon_backward()
         self.drain_reduce_scatters()
+        self.sync_host_reads()  # (only if the drain left offloaded gradients to accumulate)
         for unit in self.kept_for_backward:  # by a forward whose backward never ran
             unit.reshard()
         self.kept_for_backward = []
@@ -141,6 +143,7 @@ class Schedule:
         if not torch.is_grad_enabled():
             self.reshard_all()
             self.sync_host_reads()  # no backward follows: the next host write may come now
+            self.checker.read_flags()
         else:
             self.kept_for_backward = [u for u in self.units
                                       if u.unsharded or u.pending_unshard is not None]
@@ -221,6 +224,7 @@ class Schedule:
         self.checker.backward_finished()
         self._report_idle_units()
         RECORDER.add("backward.finalize", self.root.name)
+        self.checker.read_flags()  # last: a mismatch raises with the units already sharded
 
     def _report_idle_units(self) -> None:
         """Name, once each, the trainable units whose forward did not run in this step: their
@@ -237,12 +241,28 @@ class Schedule:
                     "no part in this step (its forward never ran), so its parameters got no "
                     "gradient; said once per unit", stacklevel=2)
 
+    def after_host_sync(self, work) -> None:
+        """Run `work()` (host code reading what the device copied to the host) after the host's
+        next wait for the device: CPU offload's gradient epilogues, at the end of backward."""
+        self.host_work.append(work)
+
     def sync_host_reads(self) -> None:
-        """Block the host until the all-gather stream has read every host shard it was asked to
-        (CPU offload with side streams; nothing to do otherwise)."""
+        """CPU offload with side streams, once per step: block the host until the all-gather
+        stream has read every host shard it was asked to (the optimizer step writes them next) and
+        the reduce-scatter stream has copied every gradient to the host, then run the host
+        epilogues that read those copies. One wait for both: the compute stream waited for every
+        reduce-scatter it finished, and waits here for the host shards' reads. Nothing to do
+        otherwise."""
+        if self.host_read_event is None and not self.host_work:
+            return
+        current = streams.current_stream(self.root.groups.device)
         if self.host_read_event is not None:
-            event, self.host_read_event = self.host_read_event, None
-            streams.synchronize(event)
+            streams.wait_event(current, self.host_read_event)
+            self.host_read_event = None
+        streams.synchronize(streams.record_event(current))
+        work, self.host_work = self.host_work, []
+        for run in work:
+            run()
 
     def abandon_backward(self) -> None:
         """Clean up after a backward that raised (a hook, a collective, a non-finite gradient).

@@ -64,6 +64,9 @@ class DeviceStreams:
     def synchronize(self, event) -> None:
         event.synchronize()
 
+    def query(self, event) -> bool:
+        return event.query()
+
     def inject_delay(self, stream) -> None:
         if self.delay_cycles and stream.device.type == "cuda":
             torch.cuda._sleep(self.delay_cycles)  # queued on the current stream: `stream`
@@ -138,6 +141,11 @@ def wait_event(stream, event) -> None:
 def synchronize(event) -> None:
     """Block the host until `event` has completed."""
     _backend.synchronize(event)
+
+
+def query(event) -> bool:
+    """Whether `event` has completed (never blocks)."""
+    return _backend.query(event)
 
 
 def inject_delay(stream) -> None:

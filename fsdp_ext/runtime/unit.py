@@ -207,7 +207,7 @@ class Unit:
                 self._copy_out_after_wait = targets
                 # The tag goes on `group`, issued by this thread; the data on the issue thread's
                 # own group: each group's collectives keep one order on every rank.
-                issued = [t for t in tags() if t is not None]
+                issued = [t.exchange() for t in tags() if t is not None]
                 self.pending_unshard = comm.issue_all_gather(
                     [t for ts in targets for t in ts], sources, slot,
                     comm.issue_thread_group(group), label, schedule.streams.timeout)

@@ -1,0 +1,335 @@
+"""Host syncs: the calls that would make the host wait for an accelerator, counted by call site
+under the stream-order model (stream_check.py), per steady-state training step.
+
+On a GPU the host must run ahead of the device, queueing kernels while earlier ones run. A call
+that needs a device value on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`), a copy
+between host and device that is blocking or reads pageable memory (`torch.tensor(data,
+device=cuda)` is one), a data-dependent shape (`nonzero`, boolean-mask indexing, `unique`), or an
+explicit `synchronize()` stops the host until the device caught up: the GPU then idles while the
+host queues the next kernels. On CPU these calls cost nothing, so only a model that knows which
+ones would block can see them. Under `stream_check()` a TorchFunctionMode sees every such call
+(on CPU, `.tolist()` and `.cpu()` dispatch no op at all) and records it when its tensor stands
+for device memory in the model:
+
+  * a tensor with elements: its block is not host memory (stream_check.py: `streams.host_empty`
+    buffers and what host-only ops made from them are host memory);
+  * a 0-dim tensor: made by an op on device tensors, or by a factory given a device; a factory
+    without one (an optimizer's `step = torch.tensor(0.0)`) makes a host scalar, as on a GPU run
+    (the model cannot tell by the device: every tensor is on the CPU). On this model a device named
+    explicitly stands for the accelerator.
+
+Each record has its kind, its call site (the innermost frame outside torch), where it comes from
+(`runtime`: a frame of fsdp_ext/runtime on the stack, i.e. the hooks and the schedule; `api`: another
+fsdp_ext function the user called, e.g. `clip_grad_norm_` returning a norm; `user`: the script's
+own code and torch's, e.g. the optimizer), the scenario label, and the root's iteration (the streams
+seam's `iteration_started`). Steady state is iteration 2 on: the first step builds and learns.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
+_DIAGNOSTICS = os.path.dirname(os.path.abspath(__file__))
+_SKIPPED = {os.path.join(_DIAGNOSTICS, f) for f in ("host_syncs.py", "stream_check.py")}
+STEADY_FROM = 2  # the first iteration counted as steady state
+T = torch.Tensor
+
+# Calls that read a device value on the host.
+_READS = {T.item: "item", T.tolist: "tolist", T.__bool__: "bool", T.__int__: "int",
+          T.__float__: "float", T.__index__: "index", T.__complex__: "complex",
+          T.numpy: "numpy", T.cpu: "cpu", T.is_nonzero: "is_nonzero",
+          torch.is_nonzero: "is_nonzero", torch.equal: "equal", T.equal: "equal",
+          torch.allclose: "allclose", T.allclose: "allclose"}
+# Ops whose output shape depends on device values: the host waits to learn the size.
+_DATA_DEPENDENT = {torch.nonzero: "nonzero", T.nonzero: "nonzero", torch.argwhere: "argwhere",
+                   T.argwhere: "argwhere", torch.unique: "unique", T.unique: "unique",
+                   torch.unique_consecutive: "unique_consecutive",
+                   T.unique_consecutive: "unique_consecutive",
+                   torch.masked_select: "masked_select", T.masked_select: "masked_select"}
+_FROM_DATA = {torch.tensor: "tensor", torch.as_tensor: "as_tensor", torch.asarray: "asarray"}
+# Factories that take a device: without one they make a host tensor on a GPU run.
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.ones, torch.empty,
+              torch.full, torch.scalar_tensor}
+
+
+@dataclass(frozen=True)
+class HostSync:
+    kind: str        # "item", "tolist", "tensor(data, device=...)", "Event.synchronize", ...
+    site: str        # "fsdp_ext/runtime/fingerprints.py:150 (_check)"
+    origin: str      # "runtime" | "api" | "user" | "setup"
+    scenario: str
+    step: int        # the root's iteration (0: before any root's first forward)
+
+
+# Frames that are never the call site: the streams seam (its caller is) and the checker itself.
+_SEAM = "fsdp_ext/runtime/streams.py"
+# Where the runtime builds a unit (fully_shard, FullyShardedDataParallel): set-up, not a step,
+# even when it runs between another model's steps.
+_SETUP = {("fsdp_ext/runtime/unit.py", "__init__")}
+
+
+def _frames() -> tuple[str, str]:
+    """(call site, origin) of the current call: the innermost frame outside torch, Python's own
+    modules, the streams seam and the checker; `setup` inside a unit's construction, `runtime` if
+    a frame of fsdp_ext/runtime is on the stack, `api` if another fsdp_ext frame is."""
+    site, origin, frame = "", "user", sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH_ROOT) or path in _SKIPPED or "/python3." in path):
+            rel = os.path.relpath(path, _PACKAGE_ROOT) if path.startswith(_PACKAGE_ROOT) else path
+            if not site and rel != _SEAM:
+                site = f"{rel}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if (rel, frame.f_code.co_name) in _SETUP:
+                return site, "setup"
+            if rel.startswith("fsdp_ext/runtime/"):
+                origin = "runtime"
+            elif rel.startswith("fsdp_ext/") and not rel.startswith("fsdp_ext/diagnostics/") \
+                    and origin == "user":
+                origin = "api"
+        frame = frame.f_back
+    return site or "?", origin
+
+
+class HostSyncCounter:
+    """The records of one stream_check() block, and what the model needs to classify tensors."""
+
+    def __init__(self, model):
+        self.model = model
+        self.records: list[HostSync] = []
+        self.scenario = ""
+        self.steps: dict[str, set] = collections.defaultdict(set)  # scenario -> steady steps
+        self._scalars: dict[int, tuple[int, bool]] = {}  # 0-dim storage -> (weak ref, host)
+
+    # ---- what the model tells us ---------------------------------------------------------------
+    def iteration_started(self, owner: object, iteration: int) -> None:
+        if iteration >= STEADY_FROM:
+            self.steps[self.scenario].add((id(owner), iteration))
+
+    def note_scalar(self, tensor: torch.Tensor, host: bool) -> None:
+        """A 0-dim tensor was made, on the host or on the device (see the module docstring)."""
+        storage = tensor.untyped_storage()
+        old = self._scalars.pop(storage._cdata, None)
+        if old is not None:
+            torch.UntypedStorage._free_weak_ref(old[0])
+        self._scalars[storage._cdata] = (storage._weak_ref(), host)
+
+    def on_device(self, value) -> bool:
+        """Whether any tensor in `value` stands for device memory in the model."""
+        for leaf in tree_flatten(value)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if type(leaf) is not torch.Tensor and hasattr(leaf, "__tensor_flatten__"):
+                names, _ = leaf.__tensor_flatten__()
+                if self.on_device([getattr(leaf, n) for n in names]):
+                    return True
+                continue
+            if leaf.device.type == "meta" or leaf.layout != torch.strided:
+                continue
+            if leaf.dim() > 0:
+                if not self.model._block(leaf).host:
+                    return True
+                continue
+            if not self.scalar_is_host(leaf):
+                return True
+        return False
+
+    def scalar_is_host(self, tensor: torch.Tensor) -> bool:
+        """A 0-dim tensor made before the check or out of its sight counts as device memory."""
+        known = self._scalars.get(tensor.untyped_storage()._cdata)
+        return known is not None and not torch.UntypedStorage._expired(known[0]) and known[1]
+
+    def is_pinned_host(self, tensor: torch.Tensor) -> bool:
+        block = self.model._block(tensor) if tensor.dim() > 0 else None
+        return block is not None and block.host and block.pinned
+
+    # ---- records -------------------------------------------------------------------------------
+    def record(self, kind: str, stream: str | None = None) -> None:
+        """The host waits here for `stream` (None: the device's current stream)."""
+        site, origin = _frames()
+        step = self.model.iteration
+        self.records.append(HostSync(kind, site, origin, self.scenario, step))
+        self.model.on_host_sync(stream, kind, site, origin == "runtime")
+
+    @contextlib.contextmanager
+    def label(self, scenario: str):
+        previous, self.scenario = self.scenario, scenario
+        try:
+            yield
+        finally:
+            self.scenario = previous
+
+    def steady(self) -> list[HostSync]:
+        """The records inside steady-state steps (a unit's set-up is not in a step)."""
+        return [r for r in self.records if r.step >= STEADY_FROM and r.origin != "setup"]
+
+    def per_step(self) -> dict[tuple[str, str, str, str], float]:
+        """(scenario, origin, site, kind) -> steady-state syncs per step (user code summed into
+        one row per scenario: its sites are the script's, not the library's)."""
+        counts: dict[tuple, int] = collections.Counter()
+        for r in self.steady():
+            site, kind = (r.site, r.kind) if r.origin != "user" else ("(the script and torch)", "*")
+            counts[(r.scenario, r.origin, site, kind)] += 1
+        return {key: n / max(1, len(self.steps[key[0]])) for key, n in counts.items()}
+
+
+class SyncCalls(TorchFunctionMode):
+    """Records the calls that would block the host (see the module docstring)."""
+
+    def __init__(self, counter: HostSyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = self._blocking(func, args, kwargs)
+        if kind is not None:
+            self.counter.record(kind)
+        result = func(*args, **kwargs)
+        if func in _FACTORIES and isinstance(result, torch.Tensor) and result.dim() == 0:
+            # a factory without a device makes a host scalar on a GPU run
+            self.counter.note_scalar(result, host=kwargs.get("device") is None)
+        return result
+
+    def _blocking(self, func, args, kwargs) -> str | None:
+        counter = self.counter
+        if func in _READS:
+            return _READS[func] if counter.on_device(args[:1]) else None
+        if func in _DATA_DEPENDENT:
+            return _DATA_DEPENDENT[func] if counter.on_device(args[:1]) else None
+        if func is torch.where and len(args) + len(kwargs) == 1:
+            return "where(condition)" if counter.on_device(args[:1]) else None
+        if func in (T.__getitem__, T.__setitem__):
+            index = args[1] if len(args) > 1 else None
+            masks = [t for t in tree_flatten(index)[0]
+                     if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)]
+            return "boolean-mask indexing" if masks and counter.on_device(args[:1]) else None
+        if func in _FROM_DATA:
+            data = args[0] if args else kwargs.get("data")
+            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+                return f"{_FROM_DATA[func]}(data, device=...)"
+            return None
+        if func is T.new_tensor:
+            data = args[1] if len(args) > 1 else kwargs.get("data")
+            on_device = counter.on_device(args[:1]) if kwargs.get("device") is None else True
+            return "new_tensor(data)" if on_device and not isinstance(data, torch.Tensor) else None
+        if func is T.to:
+            return self._copy_to(args, kwargs)
+        if func is torch.repeat_interleave or func is T.repeat_interleave:
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+                return "repeat_interleave(tensor repeats)" if counter.on_device(repeats) else None
+        return None
+
+    def _copy_to(self, args, kwargs) -> str | None:
+        """`t.to(device)` from host memory to the device: blocking unless non-blocking from
+        pinned memory. (`.to(device)` of a device tensor names no host: device to device.)"""
+        source = args[0]
+        target = kwargs.get("device")
+        if target is None:
+            target = next((a for a in args[1:] if isinstance(a, (str, torch.device))), None)
+        other = next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
+        if target is None and other is None:
+            return None
+        counter = self.counter
+        if source.dim() == 0 or counter.on_device(source):
+            return None
+        if other is not None and not counter.on_device(other):
+            return None
+        non_blocking = kwargs.get("non_blocking", next(
+            (a for a in args[1:] if isinstance(a, bool)), False))
+        if non_blocking and counter.is_pinned_host(source):
+            return None
+        return "to(device) from " + ("pageable" if non_blocking else "host") + " memory"
+
+
+def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | None:
+    """For the dispatch mode: `dst.copy_(src)` between host and device memory waits unless it is
+    non-blocking and its host side is pinned."""
+    if func._schema.name != "aten::copy_" or len(args) < 2:
+        return None
+    dst, src = args[0], args[1]
+    if dst.dim() == 0 or src.dim() == 0:
+        return None
+    dst_host, src_host = model._block(dst).host, model._block(src).host
+    if dst_host == src_host:
+        return None
+    non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    host_side = dst if dst_host else src
+    if non_blocking and counter.is_pinned_host(host_side):
+        return None
+    direction = "device to host" if dst_host else "host to device"
+    return f"copy_ {direction} ({'pageable' if non_blocking else 'blocking'})"
+
+
+# Host syncs the runtime may make in a steady-state step, by (file, function): at most this many
+# per step, and why. Everything else the runtime does in a step must not block the host.
+ALLOWED = {
+    ("fsdp_ext/runtime/fingerprints.py", "read_flags"): (
+        1, "the collective tags' one check per step, at the end of backward (a mismatch raises on "
+           "every rank before an optimizer step can use the data)"),
+    ("fsdp_ext/runtime/schedule.py", "sync_host_reads"): (
+        1, "CPU offload: the host shards are written by the optimizer step, after their copies to "
+           "the device (read by the forward) completed (FSDP2 waits the same way)"),
+}
+
+
+def _key(site: str) -> tuple[str, str]:
+    """("path", "function") of a site "path:line (function)"."""
+    path, _, rest = site.partition(":")
+    return path, rest.partition("(")[2].rstrip(")")
+
+
+def over_allowance(rows: dict) -> list[str]:
+    """The runtime's steady-state sites beyond ALLOWED (rows: HostSyncCounter.per_step())."""
+    bad = []
+    for (scenario, origin, site, kind), rate in sorted(rows.items()):
+        if origin != "runtime":
+            continue
+        limit = ALLOWED.get(_key(site), (0, ""))[0]
+        if rate > limit + 1e-9:
+            bad.append(f"{scenario}: {site}: {kind}, {rate:g} per step (allowed: {limit})")
+    return bad
+
+
+def table(rows: dict, steps: dict[str, int]) -> str:
+    """Markdown: per scenario, the runtime's syncs per steady-state step (its total first, then by
+    site), then fsdp_ext functions the user called, then the script's own."""
+    lines = ["| scenario | steady steps | from | syncs per step | call site (kind) |",
+             "|---|---|---|---|---|"]
+    order = {"runtime": 0, "api": 1, "user": 2}
+    for scenario in sorted(steps):
+        mine = sorted(((order[o], site, kind, rate) for (s, o, site, kind), rate in rows.items()
+                       if s == scenario), key=lambda r: (r[0], r[1]))
+        runtime = sum(rate for o, _, _, rate in mine if o == 0)
+        lines.append(f"| {scenario} | {steps[scenario]} | runtime | {runtime:g} | "
+                     f"{'' if mine and mine[0][0] == 0 else '(none)'} |")
+        for o, site, kind, rate in mine:
+            name = [k for k, v in order.items() if v == o][0]
+            label = site if kind == "*" else f"{site} ({kind})"
+            lines.append(f"| | | {name} | {rate:g} | {label} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print the tables `make stream-check` wrote (JSON files given on the command line)."""
+    import json
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            data = json.load(f)
+        rows = {tuple(r[:4]): r[4] for r in data["rows"]}
+        print(f"\nHost syncs per steady-state step (iteration {STEADY_FROM} on), world "
+              f"{data['world_size']}, under the stream-order model (diagnostics/host_syncs.py):\n")
+        print(table(rows, data["steps"]))
+
+
+if __name__ == "__main__":
+    main()
