@@ -65,10 +65,13 @@ SOAK_STEPS ?= 100
 soak: build
 	FSDP_EXT_SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest -q tests/test_soak.py --runslow
 
-# The runtime's side-stream (GPU) path on CPU under the stream-order model: races and early frees
-# across every sharding strategy, prefetch depth, no_sync, offload, HSDP, mixed precision, ...
+# The runtime's side-stream (GPU) path on CPU under the stream-order model: races, early frees and
+# host syncs across every sharding strategy, prefetch depth, no_sync, offload, HSDP, mixed
+# precision, ...; then the host syncs per steady-state step, by call site.
 stream-check: build
+	rm -f out/stream-check/syncs_w*.json
 	$(VPY) -m pytest -q tests/test_stream_check.py --stream-check
+	$(VPY) -m fsdp_ext.diagnostics.host_syncs out/stream-check/syncs_w*.json
 
 # Compile-checks the CUDA sources with nvcc (no GPU needed).
 cuda-check: venv

@@ -3,7 +3,9 @@ checked with it on CPU.
 
 1. The model itself, on hand-written stream programs: each defect it exists to find (a missing wait,
    a read by the host before its copy finished, an early free whose block is reused) is reported
-   with both places; the corrected programs are not.
+   with both places; the corrected programs are not. The host-sync counter names each blocking
+   call's line and spares asynchronous copies from pinned memory; a sync planted in a hook is
+   named as the runtime's and fails the allowance (marked `stream_check`).
 2. Planted defects in the runtime: without a wait, with nothing kept alive, and the defects the
    model found (the no_sync accumulator and the post-forward chunks dropped while the side stream
    still read them; offloaded shards written by the host while their copy to the device may
@@ -12,7 +14,9 @@ checked with it on CPU.
 3. The runtime, parity and training-loop scenarios run under the model (marked `stream_check`,
    `make stream-check`): every sharding strategy, reshard_after_forward True/False/int, prefetch
    depths, no_sync accumulation, CPU offload, HSDP, mixed precision, activation checkpointing,
-   tied weights, unshard(async_op=True): no report, and the usual results.
+   tied weights, unshard(async_op=True), clip every step, FSDP x TP: no report, the usual results,
+   and no host sync in the runtime's steady-state step beyond host_syncs.ALLOWED (the table goes
+   to out/stream-check/, which `make stream-check` prints).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
-from fsdp_ext.runtime import comm, streams
+from fsdp_ext.runtime import comm, fingerprints, streams
 from fsdp_ext.runtime import unit as unit_module
 from fsdp_ext.runtime.schedule import Schedule
 
@@ -97,6 +101,74 @@ def test_model_raises_on_exit_and_restores_the_seam():
     assert streams.side_streams(CPU) == before is False
 
 
+def _host_syncs(program) -> list:
+    """The host syncs `program()` makes under the model, as (kind, site) pairs."""
+    with stream_check(raise_on_exit=False) as model:
+        program()
+    return [(r.kind, r.site) for r in model.syncs.records]
+
+
+def test_counter_names_each_blocking_call_and_spares_pinned_non_blocking_copies():
+    device = torch.ones(1024)  # (made before the check: device memory in the model)
+
+    def program():
+        pinned = streams.host_empty(1024, torch.float32, pin=True)
+        pageable = streams.host_empty(1024, torch.float32, pin=False)
+        pinned.copy_(device, non_blocking=True)      # asynchronous: not a sync
+        device.copy_(pinned, non_blocking=True)      # likewise, host to device
+        step = torch.tensor(0.0)                     # a host scalar (an optimizer's step)
+        step += 1
+        float(step)                                  # host memory: not a sync
+        pageable.copy_(device, non_blocking=True)    # pageable memory: the copy waits
+        pinned.copy_(device)                         # blocking
+        device.sum().item()
+        device[device > 0]                           # boolean-mask indexing: a data-dependent size
+        torch.tensor([3], device=CPU)                # Python data onto the device
+    syncs = _host_syncs(program)
+    line = program.__code__.co_firstlineno
+    here = os.path.relpath(__file__, ROOT)
+    assert syncs == [
+        ("copy_ device to host (pageable)", f"{here}:{line + 8} (program)"),
+        ("copy_ device to host (blocking)", f"{here}:{line + 9} (program)"),
+        ("item", f"{here}:{line + 10} (program)"),
+        ("boolean-mask indexing", f"{here}:{line + 11} (program)"),
+        ("tensor(data, device=...)", f"{here}:{line + 12} (program)"),
+    ], syncs
+
+
+def _planted_sync(original):
+    def wait_unshard(self):
+        original(self)
+        if self.unsharded and self.full_data:
+            self.full_data[0].sum().item()  # planted: a host sync in a hook
+    return wait_unshard
+
+
+def planted_sync_worker(rank: int, world_size: int) -> None:
+    """A `.item()` planted in the unit's all-gather wait: the counter names the planted line as a
+    runtime sync in every steady-state step, and the allowance check fails."""
+    original = unit_module.Unit.wait_unshard
+    unit_module.Unit.wait_unshard = _planted_sync(original)
+    try:
+        with stream_check(raise_on_exit=False) as model:
+            stream_scenarios.no_sync_accumulation(rank, world_size)
+    finally:
+        unit_module.Unit.wait_unshard = original
+    line = _planted_sync.__code__.co_firstlineno + 4
+    site = f"{os.path.relpath(__file__, ROOT)}:{line} (wait_unshard)"
+    rows = model.syncs.per_step()
+    planted = [rate for (_, origin, where, kind), rate in rows.items()
+               if where == site and origin == "runtime" and kind == "item"]
+    assert planted and planted[0] >= 1, rows
+    assert any(site in bad for bad in host_syncs.over_allowance(rows))
+    dist.barrier()
+
+
+@pytest.mark.stream_check
+def test_planted_host_sync_is_named():
+    run_distributed(planted_sync_worker, 2)
+
+
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
 def _skip_event_wait(original):
     def wait(self, host=False):
@@ -163,10 +235,17 @@ PLANTS = {
 }
 
 
+# The collective tags' one host sync per step (fingerprints.read_flags) orders the host after
+# every all-gather the compute stream waited for: with them on, the host shards are safe to write
+# even without sync_host_reads' wait. Off, that wait alone orders them.
+PLANT_ENV = {"offloaded_shards_written_during_their_copy": {fingerprints.CHECK_ENV: "off"}}
+
+
 def planted_worker(rank: int, world_size: int, plant: str) -> None:
     owner, attr, patch, scenario, kind = PLANTS[plant]
     original = getattr(owner, attr)
     setattr(owner, attr, patch(original))
+    os.environ.update(PLANT_ENV.get(plant, {}))
     try:
         with stream_check(raise_on_exit=False) as model:
             scenario(rank, world_size)

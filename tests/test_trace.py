@@ -102,6 +102,20 @@ def trace_worker(rank: int, world: int, out_dir: str) -> None:
     assert bars(recorded) == bars(from_trace), (bars(recorded), bars(from_trace))
     assert ("all_gather", "AG2") in bars(recorded) and ("reduce_scatter", "RS0") in bars(recorded)
 
+    # NO_SHARD gathers nothing: the trace shows a local copy, not an all-gather.
+    torch.manual_seed(0)
+    no_shard = fsdp_ext.FullyShardedDataParallel(
+        GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=2, d_model=16)),
+        auto_wrap_policy=fsdp_ext.ModuleWrapPolicy({type(_model(1).blocks[0])}),
+        sharding_strategy=fsdp_ext.ShardingStrategy.NO_SHARD)
+    ranges_ns, recorded_ns = _profile_two_steps(no_shard, rank,
+                                                os.path.join(out_dir, f"ns{rank}.json"))
+    names = {e["name"] for e in ranges_ns}
+    assert not any(n.startswith("fsdp_ext::all_gather") for n in names), sorted(names)
+    assert not any(e.kind.startswith("all_gather") for e in recorded_ns)
+    assert "fsdp_ext::unshard_copy[root]" in names, sorted(names)
+    assert "fsdp_ext::reduce_scatter[root]" in names, sorted(names)
+
     per_rank = timeline.gather_to_rank0(timeline.last_step(recorded))
     if rank == 0:
         assert len(per_rank) == world

@@ -74,7 +74,8 @@ class HostSync:
 _SEAM = "fsdp_ext/runtime/streams.py"
 # Where the runtime builds a unit (fully_shard, FullyShardedDataParallel): set-up, not a step,
 # even when it runs between another model's steps.
-_SETUP = {("fsdp_ext/runtime/unit.py", "__init__")}
+_SETUP = {("fsdp_ext/runtime/unit.py", "__init__"), ("fsdp_ext/api/fully_shard.py", "fully_shard"),
+          ("fsdp_ext/api/fsdp1.py", "__init__")}
 
 
 def _frames() -> tuple[str, str]:

@@ -51,6 +51,7 @@ SMALL_POOL_BYTES = 1 << 20  # the caching allocator serves allocations up to 1 M
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 _THIS_FILE = os.path.abspath(__file__)
+_CHECKER_FILES = {_THIS_FILE, os.path.join(os.path.dirname(_THIS_FILE), "host_syncs.py")}
 
 # c10d collectives carry no alias annotations: which arguments each writes (the rest it reads).
 _C10D_WRITES = {
@@ -118,7 +119,7 @@ def _stack() -> list:
     frames, frame = [], sys._getframe(2)
     while frame is not None and len(frames) < 8:
         path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_ROOT) and path != _THIS_FILE and "/python3." not in path:
+        if not path.startswith(_TORCH_ROOT) and path not in _CHECKER_FILES and "/python3." not in path:
             frames.append((os.path.relpath(path, _PACKAGE_ROOT) if path.startswith(_PACKAGE_ROOT)
                            else path, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back

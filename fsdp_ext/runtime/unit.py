@@ -115,6 +115,7 @@ class Unit:
         self.full_data: list[torch.Tensor] = []
         self.unsharded = False
         self.pending_unshard: comm.Pending | None = None
+        self._unshard_kind = "all_gather"  # what the pending unshard is ("unshard_copy": local)
         self.post_forward_chunks: list[list[torch.Tensor]] | None = None  # per bucket, per group
         self._copy_out_after_wait: list[list[torch.Tensor]] | None = None
         self.pre_backward_done = False
@@ -194,9 +195,13 @@ class Unit:
         def tags():
             return [schedule.checker.issue(group, "all_gather", self.name, sizes,
                                            schedule.phase())]
-        RECORDER.add("all_gather.issue", self.name)
-        label = f"all_gather of unit '{self.name or '<root>'}'"
-        with profiler_range("all_gather", self.name):
+        # Without a shard group (NO_SHARD, one rank) the unshard is a local copy: the trace says
+        # so instead of showing an all-gather that does not happen.
+        what = "all_gather" if group is not None else "unshard_copy"
+        self._unshard_kind = what
+        RECORDER.add(f"{what}.issue", self.name)
+        label = f"{what} of unit '{self.name or '<root>'}'"
+        with profiler_range(what, self.name):
             if schedule.streams.issue_thread:  # CPU: copy-in and broadcasts off this thread
                 targets, sources = [], []
                 for i, (bucket, full) in enumerate(zip(self.buckets, self.full_data)):
@@ -223,7 +228,7 @@ class Unit:
                     tags=tags)
                 if self.offload is not None and chunks is None:  # read the host shards
                     schedule.host_read_event = self.pending_unshard.event
-        RECORDER.add("all_gather.issued", self.name)  # launched: collective queued
+        RECORDER.add(f"{what}.issued", self.name)  # launched: collective queued
         schedule.note_unshard(self)
         if not async_op:
             self.wait_unshard()
@@ -329,7 +334,7 @@ class Unit:
 
     def wait_unshard(self) -> None:
         if self.pending_unshard is not None:
-            with span("all_gather.wait", self.name):
+            with span(f"{self._unshard_kind}.wait", self.name):
                 self.pending_unshard.wait()
             self.pending_unshard = None
             if self._copy_out_after_wait is not None:
