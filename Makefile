@@ -70,7 +70,8 @@ soak: build
 # precision, ...; then the host syncs per steady-state step, by call site.
 stream-check: build
 	rm -f out/stream-check/syncs_w*.json
-	$(VPY) -m pytest -q tests/test_stream_check.py --stream-check
+	$(VPY) -m pytest -q tests/test_stream_check.py \
+		tests/test_reliability.py::test_divergence_raises_on_every_rank_with_device_tags --stream-check
 	$(VPY) -m fsdp_ext.diagnostics.host_syncs out/stream-check/syncs_w*.json
 
 # Compile-checks the CUDA sources with nvcc (no GPU needed).

@@ -15,6 +15,8 @@ and, on request (--frameworks), fsdp_ext's candidate ways to gather its DTensor 
     fsdp_ext-copied   every parameter of a unit gathered in one collective, then copied out
     fsdp_ext-flat     fsdp_ext.FullyShardedDataParallel: the flat layout with 1-D views (FSDP1's)
     fsdp_ext-unchecked  fsdp_ext with its collective tags off after the first forward (their cost)
+    fsdp_ext-sync-tags  fsdp_ext checking every tag on the host at its wait after the first forward
+                        (FSDP_EXT_CHECK=sync: on GPUs, a host sync per collective)
 and torch.compile (inductor) variants: NAME+compile compiles the whole wrapped model (fsdp_ext,
 fsdp2, local), fsdp_ext+unit-compile each block's forward.
 """
@@ -95,6 +97,18 @@ def _wrap_fsdp_ext_split(direct_min_numel: int):
     return wrap
 
 
+def _wrap_fsdp_ext_sync_tags(model, device, options):
+    """fsdp_ext checking each tag on the host where its data is waited for, after the first
+    forward (FSDP_EXT_CHECK=sync; on CPU ranks that is the default already)."""
+    model = _wrap_fsdp_ext(model, device, options)
+
+    def host_checks(module, args, output):
+        module._unit.schedule.checker.on_device = False
+        handle.remove()
+    handle = model.register_forward_hook(host_checks)
+    return model
+
+
 def _wrap_fsdp_ext_unchecked(model, device, options):
     """fsdp_ext with the collective tags turned off after the first forward (what they cost)."""
     model = _wrap_fsdp_ext(model, device, options)
@@ -153,6 +167,7 @@ WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp_ext-copied": _wrap_fsdp_ext_split(1 << 62),
             "fsdp_ext-flat": _wrap_fsdp_ext_flat,
             "fsdp_ext-unchecked": _wrap_fsdp_ext_unchecked,
+            "fsdp_ext-sync-tags": _wrap_fsdp_ext_sync_tags,
             "fsdp_ext+compile": _compiled(_wrap_fsdp_ext),
             "fsdp_ext+unit-compile": _compiled(_wrap_fsdp_ext, per_unit=True),
             "fsdp2+compile": _compiled(_wrap_fsdp2),

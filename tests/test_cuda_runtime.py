@@ -67,3 +67,34 @@ def test_parity_suite_on_cuda():
     HSDP and reshard_after_forward=2 need 4 GPUs."""
     world_size = 4 if torch.cuda.device_count() >= 4 else min(torch.cuda.device_count(), 2)
     run_distributed(_parity_suite_on_cuda, world_size, backend="nccl")
+
+
+def no_host_sync_worker(rank: int, world_size: int) -> None:
+    """Steady-state steps with the collective tags on: forward and backward (the runtime's hooks,
+    the end-of-backward flag read included) run under torch.cuda.set_sync_debug_mode("error"), so
+    any `.item()`, `.tolist()`, blocking copy or `synchronize` of a stream raises. The flags' read
+    waits on an event, which is the one sync per step the design allows (docs/gpu.md)."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=3, n_head=4, d_model=64)).to(device)
+    mp = fsdp_ext.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fsdp_ext.fully_shard(block, mp_policy=mp)
+    fsdp_ext.fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(6):
+        idx = torch.randint(0, 97, (2, 32), device=device)
+        if step >= 3:  # the first steps build, learn the order and allocate
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(idx, idx).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+
+
+def test_steady_state_step_has_no_host_sync():
+    run_distributed(no_host_sync_worker, min(torch.cuda.device_count(), 2), backend="nccl")

@@ -221,6 +221,7 @@ def device_tags_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.stream_check
 def test_divergence_raises_on_every_rank_with_device_tags():
     run_distributed(device_tags_worker, 2)
 

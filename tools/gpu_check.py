@@ -6,7 +6,8 @@ command is printed; the exit status is non-zero if any step fails):
   1. the CUDA and Triton kernels against the plain-torch reference on the device
      (tests/test_ops_cuda.py, tests/test_ops_triton.py with TRITON_INTERPRET unset);
   2. the runtime on CUDA + NCCL: the parity suite and the GPT parity check at world 1 and 2
-     (tests/test_cuda_runtime.py; 4 GPUs add HSDP and reshard_after_forward=2);
+     (tests/test_cuda_runtime.py; 4 GPUs add HSDP and reshard_after_forward=2), and steady-state
+     steps under torch.cuda.set_sync_debug_mode("error"): no host sync in forward and backward;
   3. the same with every side stream held up before each collective
      (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES), so a missing wait or an early free shows as a wrong
      result instead of hiding behind fast collectives;
@@ -14,7 +15,9 @@ command is printed; the exit status is non-zero if any step fails):
      profiled: per-rank Chrome traces with the side streams' collectives beside the compute
      stream, and the timeline picture, under out/gpu_check/);
   5. the benchmarks' GPU tables: step time and peak memory against DDP / torch FSDP1 / FSDP2
-     (benchmarks/bench_step.py) and the kernels (benchmarks/bench_kernels.py --device cuda).
+     (benchmarks/bench_step.py), the kernels (benchmarks/bench_kernels.py --device cuda), and the
+     step time with the collective tags on the device, checked on the host per collective, and
+     off.
 
     python tools/gpu_check.py [--skip-benchmarks]
 """
@@ -72,6 +75,10 @@ def main() -> int:
              [python, "benchmarks/bench_step.py", "--world-size", str(min(gpus, 2)),
               "--steps", "10"], None),
             ("kernels", [python, "benchmarks/bench_kernels.py", "--device", "cuda"], None),
+            ("collective tags: on device (default) / host check per collective / off",
+             [python, "benchmarks/bench_step.py", "--world-size", str(min(gpus, 2)), "--steps",
+              "12", "--frameworks", "fsdp_ext", "fsdp_ext-sync-tags", "fsdp_ext-unchecked",
+              "local", "--no-plan", "--name", f"check_tags_gpu_w{min(gpus, 2)}"], None),
         ]
     failed = [title for title, command, env in steps if not run(title, command, env)]
     print(f"gpu-check on {gpus} GPU(s) ({torch.cuda.get_device_name(0)}): "
