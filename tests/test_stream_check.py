@@ -171,9 +171,9 @@ def test_planted_host_sync_is_named():
 
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
 def _skip_event_wait(original):
-    def wait(self, host=False):
+    def wait(self):
         self.event = None  # planted: the waiting stream is never ordered after the collective
-        return original(self, host)
+        return original(self)
     return wait
 
 

@@ -190,12 +190,13 @@ class Pending:
     label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
     timeout: datetime.timedelta | None = None         # see collective_timeout()
     job: object = None                                # queued on the issue thread (_C._IssuedGather)
-    tags: list = field(default_factory=list)          # fingerprints.Tag: verified before the data
+    tags: list = field(default_factory=list)          # fingerprints.Tag: checked at the wait
 
-    def wait(self, host: bool = False) -> None:
-        """Make the results usable: by the current stream of `device`, or with `host` by the host
-        (which then blocks until the side stream's work is done). The collectives' tags are
-        checked first: a divergent rank raises here, before any of the data is used."""
+    def wait(self) -> None:
+        """Make the results usable by the current stream of `device` (CPU: by the host). The
+        collectives' tags are checked here: on the host first (CPU ranks: a divergent rank raises
+        before any of the data is used), or on the device after the stream wait (read once per
+        step: fingerprints.py, [Note: checking on the device])."""
         tags, self.tags = self.tags, []
         for tag in tags:
             if not tag.on_device:
@@ -221,12 +222,9 @@ class Pending:
                 checker.waiting_at = None
         self.works = []
         if self.event is not None:
-            # The waiting stream (or the host) is ordered after the collective before its tensors
-            # are let go: a block freed now is reused only by work that runs after the collective.
-            if host:
-                streams.synchronize(self.event)
-            else:
-                streams.wait_event(streams.current_stream(self.device), self.event)
+            # The waiting stream is ordered after the collective before its tensors are let go:
+            # a block freed now is reused only by work that runs after the collective.
+            streams.wait_event(streams.current_stream(self.device), self.event)
             self.event = None
         for tag in tags:  # now ordered after the exchange: compared on the device, read per step
             if tag.on_device:
