@@ -213,7 +213,8 @@ class StreamModel:
 
     # ---- for subclasses that record what runs (each called after the model's own bookkeeping) ----
     def on_op(self, stream: str, func, args, kwargs, result) -> None:
-        """An op ran on `stream` (HOST for host memory only)."""
+        """An op ran on `stream` (HOST for host memory only). Ops with no tensor argument
+        (factories) count as run on the current stream of their output's device."""
 
     def on_host_sync(self, stream: str | None, kind: str, site: str, runtime: bool) -> None:
         """The host is about to wait for the work queued on `stream` (None: on every stream of the
@@ -381,10 +382,13 @@ class _OpAccesses(TorchDispatchMode):
         reads, writes, shaped_by = _classify(func, args, kwargs)
         fresh_outputs = not func._schema.is_mutable and not _aliases_input(func)
         tensors = reads + writes + shaped_by
-        if not tensors:
+        if not tensors:  # a factory (empty, arange, full, ...): runs where its output lives
             result = func(*args, **kwargs)
             if fresh_outputs:
                 self._allocated(result, func, [])
+            outputs = _storages(result)
+            model.on_op(model.current_stream(outputs[0].device).name if outputs else HOST,
+                        func, args, kwargs, result)
             return result
         on_host = [model._block(t).host for t in tensors]
         device = next((t.device for t, h in zip(tensors, on_host) if not h), None)
