@@ -166,7 +166,7 @@ DPI = 130  # the PNG's resolution; labels are measured at it
 
 
 COLORS = {"FWD": "#4C72B0", "BWD": "#55A868", "AG": "#8DA0CB", "RS": "#E5C494",
-          "wait": "#D62728", "launch": "#6E6E6E", "OPT": "#8172B2", "sync": "#D62728"}
+          "wait": "#D62728", "launch": "#6E6E6E", "OPT": "#8172B2", "sync": "#FF7F0E"}
 LANES = ["reduce_scatter", "all_gather", "compute"]  # bottom to top within a rank
 LEGEND = [("FWD", "forward compute"), ("BWD", "backward compute"), ("AG", "all-gather in flight"),
           ("RS", "reduce-scatter in flight"), ("launch", "exposed: launching a collective"),
