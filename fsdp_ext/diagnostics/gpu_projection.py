@@ -280,8 +280,14 @@ def summarize(p: Projection) -> dict:
         total = by_kind.setdefault(kind, dict(count=0, seconds=0.0, exposed=0.0))
         for k in total:
             total[k] += row[k]
+    per_unit: dict[str, float] = {}  # compute-stream kernel time of each unit's forward/backward
+    for x in compute:
+        if x.record.phase != "optimizer" and x.record.unit is not None:
+            per_unit[x.record.unit] = per_unit.get(x.record.unit, 0.0) + x.end - x.start
     return dict(
         step_s=p.step_s,
+        compute_units=per_unit,
+        optimizer_s=sum(x.end - x.start for x in compute if x.record.phase == "optimizer"),
         compute_busy_s=sum(b - a for a, b in _union([(x.start, x.end) for x in compute])),
         compute_kernels=len(compute),
         idle_s=sum(g.end - g.start for g in gaps), gaps=len(gaps),
