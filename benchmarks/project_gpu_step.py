@@ -144,15 +144,16 @@ def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None
                f"{_ms(before['idle_sync_s'])} ms after them.")
     numbers = gpu_projection.unit_numbers(next(iter(traces.values())))
     unit_rows = []
+    compute = next(iter(summaries.values()))["compute_units"]  # the same work in every mode
     for unit, n in numbers.items():
-        row = [f"{n} = {unit or 'root'}"]
+        row = [f"{n} = {unit or 'root'}", _ms(compute.get(unit, 0.0))]
         for s in summaries.values():
             for kind in ("all_gather", "reduce_scatter"):
                 cell = s["units"].get(f"{unit}|{kind}")
                 row.append(f"{_ms(cell['exposed'])} of {_ms(cell['seconds'])}" if cell else "-")
         unit_rows.append(row)
-    unit_header = ["unit"] + [f"{name}: {kind}" for name in summaries
-                              for kind in ("AG", "RS")]
+    unit_header = ["unit", "compute, forward + backward (ms)"] + [
+        f"{name}: {kind}" for name in summaries for kind in ("AG", "RS")]
     first = next(iter(traces.values()))
     cpu = ", ".join(f"{name}: {min(t.meta['cpu_step_s']):.1f}-{max(t.meta['cpu_step_s']):.1f} s"
                     for name, t in traces.items())
@@ -171,8 +172,9 @@ def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None
         "Every figure below is a PROJECTION: the recorded step replayed on that model "
         "(fsdp_ext/diagnostics/gpu_projection.py).", "",
         markdown_table(header, rows), "", compare, "",
-        "Exposed communication per unit, PROJECTION (ms exposed of ms in flight; tag exchanges "
-        "included in their collective's unit):", "",
+        "Per unit, PROJECTION: its compute-stream kernel time, and its all-gathers (forward and "
+        "backward) and reduce-scatter as ms exposed of ms in flight, tag exchanges included. "
+        f"Optimizer step: {_ms(next(iter(summaries.values()))['optimizer_s'])} ms.", "",
         markdown_table(unit_header, unit_rows), "",
         f"![PROJECTION timeline]({os.path.basename(png)})", ""])
     print(text)
