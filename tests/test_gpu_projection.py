@@ -171,6 +171,7 @@ def record_worker(rank: int, world_size: int, out_dir: str) -> None:
     import fsdp_ext
     from fsdp_ext.diagnostics.stream_check import stream_check
     from fsdp_ext.runtime.fingerprints import CHECK_ENV
+    from fsdp_ext.runtime.trace import RECORDER
     from models import GPT, GPTConfig
 
     for mode in ("sync", "off"):
@@ -189,6 +190,7 @@ def record_worker(rank: int, world_size: int, out_dir: str) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
             recorder.stop()
+        assert not RECORDER.enabled and not RECORDER.events  # left as it was
         if rank == 0:
             recorder.trace().save(os.path.join(out_dir, f"{mode}.json"))
     os.environ.pop(CHECK_ENV)
@@ -212,6 +214,9 @@ def test_recorded_step_sync_tags_leave_compute_idler(tmp_path):
         assert any(r.phase == "optimizer" and r.per_shard for r in launches)
     costs = gp.CostModel(H100, RING_FORMULAS)  # 8 GPUs in a node
     sync, off = (gp.summarize(gp.replay(traces[m], costs)) for m in ("sync", "off"))
+    # the tags' checks wait for their events, and say where
+    assert all("fingerprints.py" in r.site for r in traces["sync"].records
+               if isinstance(r, HostSync))
     assert sync["host_syncs"] > 0 and sync["host_blocked_s"] > 0
     assert off["host_syncs"] == 0 and off["host_blocked_s"] == 0
     assert sync["idle_s"] > off["idle_s"]

@@ -4,7 +4,7 @@ modelled GPU, to see on a CPU-only machine where the host would hold the GPU bac
     costs = CostModel(H100, RING_FORMULAS)         # both from planner/comm_model.py
     projection = replay(trace, costs)              # trace: LaunchTrace of one step
     summary = summarize(projection)                # step time, compute idle, exposed comm, ...
-    draw([projection, ...], ["before", ...], "step.png")
+    draw([projection, ...], ["before", ...], "step.png", "what was recorded")
 
 Why: a host sync inside a step (an event synchronize, `.item()`, a blocking copy) drains the
 GPU's queue, so the next kernels start only when the host has launched them again: gaps on the

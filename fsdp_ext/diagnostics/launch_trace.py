@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import flop_counter
 
+from ..runtime import streams as _streams
 from ..runtime import trace as runtime_trace
 from . import stream_check as _sc
 from .stream_check import HOST, StreamModel
@@ -66,7 +67,8 @@ _NO_KERNEL = {
 _CPU_ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
 _PER_SHARD_OPS = {"fsdp_ext::cast_into_slot", "fsdp_ext::grad_epilogue"}
 _HERE = os.path.abspath(__file__)
-_SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(_sc.__file__), _HERE)
+_SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(_sc.__file__), _HERE,
+         os.path.abspath(_streams.__file__))
 
 
 # ---- records -------------------------------------------------------------------------------------
@@ -207,7 +209,8 @@ def _group_size(named: dict) -> int:
 
 
 def _site() -> str:
-    """The innermost calling frame outside torch and this package's model files."""
+    """The innermost calling frame outside torch, installed packages, the streams seam and the
+    stream-order model: where the runtime (or the user) asked for the sync."""
     frame = sys._getframe(2)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
@@ -229,7 +232,8 @@ class LaunchRecorder(StreamModel):
         self.recording = False
         self.done = False
         self._event_ids = 0
-        self._marks_from = 0
+        self._marks_from = 0           # the runtime's timeline events read so far
+        self._marks_start = 0          # the first one of the recorded step
         self._recorder_was_enabled = False
         self._windows: list[tuple[str, str]] = []      # (collective, unit) being launched
         self._waits: list[tuple[str, str]] = []        # (collective, unit) being waited for
@@ -252,7 +256,7 @@ class LaunchRecorder(StreamModel):
         recorder = runtime_trace.RECORDER
         self._recorder_was_enabled = recorder.enabled
         recorder.enabled = True  # the unit names come from the runtime's timeline events
-        self._marks_from = len(recorder.events)
+        self._marks_from = self._marks_start = len(recorder.events)
         self.recording = True
 
     def stop(self) -> None:
@@ -262,7 +266,7 @@ class LaunchRecorder(StreamModel):
         self._flush_marks()
         recorder = runtime_trace.RECORDER
         if not self._recorder_was_enabled:  # leave the runtime's recorder as it was
-            del recorder.events[self._marks_from:]
+            del recorder.events[self._marks_start:]
             recorder.enabled = False
         self.recording, self.done = False, True
 
