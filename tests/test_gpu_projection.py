@@ -4,9 +4,10 @@ recorder it replays (fsdp_ext/diagnostics/launch_trace.py).
 1. The replay on hand-written traces, against hand-computed times: a host sync leaves the compute
    stream idle for exactly the host's launch time of what follows it; a collective overlapped by
    compute is not exposed, the part the compute stream waits for is; the host's run-ahead.
-2. One small recording (a tiny GPT, world 2, under the stream-order model): the CPU stand-ins are
-   recorded as the GPU's collectives, and the synchronous tags (FSDP_EXT_CHECK=sync) leave the
-   compute stream idler than no tags (FSDP_EXT_CHECK=off).
+2. Recording: a sync announced by the host-sync counter (`on_host_sync`) and then seen by the
+   model is one record; one small recording (a tiny GPT, world 2, under the stream-order model):
+   the CPU stand-ins are recorded as the GPU's collectives, and the synchronous tags
+   (FSDP_EXT_CHECK=sync) leave the compute stream idler than no tags (FSDP_EXT_CHECK=off).
 """
 from __future__ import annotations
 
@@ -165,7 +166,22 @@ def test_trace_round_trip_and_projection_png(tmp_path):
     assert os.path.getsize(tmp_path / "t.png") > 0
 
 
-# ---- 2. a recording ------------------------------------------------------------------------------
+# ---- 2. recording -------------------------------------------------------------------------------
+def test_a_sync_announced_by_on_host_sync_is_recorded_once():
+    recorder = LaunchRecorder(iteration=3)
+    recorder.iteration_started(None, 3)
+    stream = recorder.new_stream(torch.device("cpu"), name="all_gather")
+    event = recorder.record_event(stream)
+    recorder.on_host_sync("all_gather", "event.synchronize", "caller.py:1", True)
+    recorder.synchronize(event)  # the same call, seen by the model
+    recorder.on_host_sync(None, "device synchronize", "caller.py:2", True)
+    recorder.stop()
+    syncs = [r for r in recorder.records if isinstance(r, HostSync)]
+    assert syncs == [HostSync("all_gather", 1, "event.synchronize", "caller.py:1"),
+                     HostSync(None, None, "device synchronize", "caller.py:2")]
+
+
+
 def record_worker(rank: int, world_size: int, out_dir: str) -> None:
     """A tiny GPT's second step, recorded with the tags synchronous and off."""
     import fsdp_ext

@@ -22,7 +22,8 @@ Records, in the order the host issues them:
   * HostSync: the host waits for an event (`synchronize`) or for a stream's queued work
     (`on_host_sync`). A Launch whose `sync` is set makes the host wait for that op itself
     (`.item()`, a blocking copy between host and device, a tensor made from Python data on the
-    device: a copy from pageable memory that waits for its stream).
+    device: a copy from pageable memory that waits for its stream). A sync announced by
+    `on_host_sync` and then seen by the model too is recorded once.
   * Mark: the runtime's timeline events (runtime/trace.py: "all_gather.issue", "forward.begin",
     ...), which also give every other record its unit.
 
@@ -344,13 +345,29 @@ class LaunchRecorder(StreamModel):
         super().synchronize(event)
         if self.recording:
             self._flush_marks()
-            self.records.append(HostSync(event.stream, getattr(event, "trace_id", None),
-                                         "event.synchronize", _site()))
+            announced = self._announced_sync(event.stream)
+            self.records.append(HostSync(
+                event.stream, getattr(event, "trace_id", None),
+                announced.kind if announced else "event.synchronize",
+                announced.site if announced else _site()))
 
     def on_host_sync(self, stream, kind: str, site: str, runtime: bool) -> None:
         if self.recording:
             self._flush_marks()
             self.records.append(HostSync(stream, None, kind, site))
+
+    def _announced_sync(self, stream: str) -> HostSync | None:
+        """The `on_host_sync` record of `stream` issued just before (nothing else since, but
+        marks), removed: the sync being recorded now is that same call, known more precisely
+        (its event, or the op it waits for). One sync, one record."""
+        for i in range(len(self.records) - 1, -1, -1):
+            record = self.records[i]
+            if isinstance(record, Mark):
+                continue
+            if isinstance(record, HostSync) and record.event is None and record.stream == stream:
+                return self.records.pop(i)
+            return None
+        return None
 
     # ---- ops -------------------------------------------------------------------------------------
     def on_op(self, stream: str, func, args, kwargs, result) -> None:
@@ -374,7 +391,8 @@ class LaunchRecorder(StreamModel):
             elif _sc._syncs_host(func, args, kwargs, self):
                 record.sync = "item" if name == "aten::_local_scalar_dense" else "blocking copy"
             if record.sync:
-                record.site = _site()
+                announced = self._announced_sync(stream)
+                record.site = announced.site if announced else _site()
         if record.kernel:
             flops = matmul_flops(func, args, kwargs, result)
             if flops is not None:
