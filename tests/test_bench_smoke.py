@@ -60,3 +60,19 @@ def test_trainer_benchmark_times_every_implementation(tmp_path):
     for runs in report["results"].values():
         assert all(rank["step_s"] > 0 and rank["peak_rss"] > 0 for rank in runs[0])
     assert "fsdp_ext ÷ this" in (tmp_path / "trainer_step_w2.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_projection_benchmark_projects_every_mode(tmp_path):
+    _run("project_gpu_step.py", "--layers", "1", "--hidden", "64", "--ffn", "128", "--seq", "32",
+         "--out", str(tmp_path))
+    report = json.loads((tmp_path / "gpu_projection.json").read_text())
+    assert report["label"] == "PROJECTION, not measured"
+    modes = report["modes"]
+    assert [m["check"] for m in modes.values()] == [None, "sync", "off"]
+    for mode in modes.values():
+        assert mode["summary"]["step_s"] > 0 and mode["summary"]["compute_busy_s"] > 0
+    assert modes["no tags (off)"]["summary"]["host_syncs"] == 0
+    assert modes["tags: sync"]["summary"]["host_syncs"] > 0
+    assert "PROJECTION" in (tmp_path / "gpu_projection.md").read_text()
+    assert (tmp_path / "gpu_projection.png").stat().st_size > 0

@@ -222,7 +222,8 @@ class StreamModel:
 
     # ---- for subclasses that record what runs (each called after the model's own bookkeeping) ----
     def on_op(self, stream: str, func, args, kwargs, result) -> None:
-        """An op ran on `stream` (HOST for host memory only)."""
+        """An op ran on `stream` (HOST for host memory only). Ops with no tensor argument
+        (factories) count as run on the current stream of their output's device."""
 
     def on_host_sync(self, stream: str | None, kind: str, site: str, runtime: bool) -> None:
         """The host is about to wait for the work queued on `stream` (None: on every stream of the
@@ -390,7 +391,7 @@ class _OpAccesses(TorchDispatchMode):
         reads, writes, shaped_by = _classify(func, args, kwargs)
         fresh_outputs = not func._schema.is_mutable and not _aliases_input(func)
         tensors = reads + writes + shaped_by
-        if not tensors:  # a factory, or an op on 0-dim tensors only
+        if not tensors:  # a factory (empty, arange, full, ...), or an op on 0-dim tensors only
             result = func(*args, **kwargs)
             scalars = [t for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor) and t.dim() == 0]
@@ -400,8 +401,9 @@ class _OpAccesses(TorchDispatchMode):
             if fresh_outputs:
                 self._allocated(result, func, [])
                 self._scalars(result, host)
-            model.on_op(HOST if host else model.current_stream(torch.device("cpu")).name, func,
-                        args, kwargs, result)
+            outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            model.on_op(HOST if host or not outputs else model.current_stream(outputs[0].device).name,
+                        func, args, kwargs, result)
             return result
         on_host = [model._block(t).host for t in tensors]
         device = next((t.device for t, h in zip(tensors, on_host) if not h), None)

@@ -165,29 +165,56 @@ Label = tuple[str, tuple, float, float]  # (text, (rank, lane, sub-row), left, r
 DPI = 130  # the PNG's resolution; labels are measured at it
 
 
+COLORS = {"FWD": "#4C72B0", "BWD": "#55A868", "AG": "#8DA0CB", "RS": "#E5C494",
+          "wait": "#D62728", "launch": "#6E6E6E", "OPT": "#8172B2", "sync": "#FF7F0E"}
+LANES = ["reduce_scatter", "all_gather", "compute"]  # bottom to top within a rank
+LEGEND = [("FWD", "forward compute"), ("BWD", "backward compute"), ("AG", "all-gather in flight"),
+          ("RS", "reduce-scatter in flight"), ("launch", "exposed: launching a collective"),
+          ("wait", "exposed: waiting for a collective")]
+
+
 def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[Label]:
     """One PNG: for each rank a compute lane, an all-gather lane and a reduce-scatter lane.
     Returns the labels written on bars: (label, (rank, lane, sub-row), left, right), in pixels."""
+    notes = []
+    for rank, events in enumerate(per_rank):
+        stats = comm_stats(events)
+        notes.append(f"rank {rank}: " + ", ".join(
+            f"{_COMM[c]} {v['in_flight'] * 1e3:.1f} ms in flight / {v['exposed'] * 1e3:.1f} ms exposed"
+            for c, v in stats.items()))
+    numbers = unit_numbers(per_rank[0]) if per_rank else {}
+    return draw_spans([spans(events) for events in per_rank], path, title, notes,
+                      "units: " + ", ".join(f"{i} = {u or 'root'}" for u, i in numbers.items()))
+
+
+def draw_spans(groups: list[list[Span]], path: str, title: str = "", notes: list[str] = (),
+               footer: str = "", group_names: list[str] | None = None, lanes: list[str] = LANES,
+               legend: list[tuple[str, str]] = LEGEND,
+               xlabel: str = "ms since the step's first event (per rank)") -> list[Label]:
+    """Draw groups of lanes (a rank's, or a modelled step's) from their spans, as `draw` does.
+
+    Bars on the compute lane and any lane whose spans are not `exposed` are drawn solid; an
+    exposed span on another lane marks the bottom edge of the bar with the same label that it
+    starts in. `legend`: (colour key, text) pairs; a span's colour key is its label's first word
+    when exposed, else its label without the trailing unit number (COLORS)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"FWD": "#4C72B0", "BWD": "#55A868", "AG": "#8DA0CB", "RS": "#E5C494",
-              "wait": "#D62728", "launch": "#6E6E6E"}
-    lanes = ["reduce_scatter", "all_gather", "compute"]
-    n = len(per_rank)
-    fig, ax = plt.subplots(figsize=(16, 1.2 + 1.5 * n))
-    span_ms = max((s.end for ev in per_rank for s in spans(ev)), default=1.0) * 1e3
-    yticks, ylabels, notes = [], [], []
+    colors = COLORS
+    n = len(groups)
+    names = group_names or [f"rank {i}" for i in range(n)]
+    fig, ax = plt.subplots(figsize=(16, 1.2 + 1.5 * n * len(lanes) / 3))
+    span_ms = max((s.end for group in groups for s in group), default=1.0) * 1e3
+    yticks, ylabels = [], []
     candidates = []  # (label, bar left, bar width, y, fontsize, sub-row): placed after the layout
-    for rank, events in enumerate(per_rank):
+    for rank, rank_spans in enumerate(groups):
         base = (n - 1 - rank) * (len(lanes) + 0.6)
-        rank_spans = spans(events)
         for li, lane in enumerate(lanes):
             y = base + li
             yticks.append(y + 0.4)
-            ylabels.append(f"rank {rank} {lane.replace('_', '-')}")
+            ylabels.append(f"{names[rank]} {lane.replace('_', '-')}")
             bars = [s for s in rank_spans if s.lane == lane and not (lane != "compute" and s.exposed)]
             rows = _stack_rows(bars)
             depth = max(rows.values(), default=0) + 1
@@ -205,26 +232,15 @@ def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[Label]
                              and s.start <= p.start <= s.end]:
                     ax.broken_barh([(part.start * 1e3, (part.end - part.start) * 1e3)],
                                    (yb, height * 0.25), facecolors=colors[_kind(part)])
-        stats = comm_stats(events)
-        notes.append(f"rank {rank}: " + ", ".join(
-            f"{_COMM[c]} {v['in_flight'] * 1e3:.1f} ms in flight / {v['exposed'] * 1e3:.1f} ms exposed"
-            for c, v in stats.items()))
-    numbers = unit_numbers(per_rank[0]) if per_rank else {}
     ax.set_yticks(yticks, ylabels, fontsize=8)
-    ax.set_xlabel("ms since the step's first event (per rank)")
+    ax.set_xlabel(xlabel)
     ax.set_xlim(0, span_ms * 1.01)
     ax.grid(axis="x", alpha=0.3)
     ax.set_title((title + "\n" if title else "") + "; ".join(notes), fontsize=9)
-    legend = [Patch(color=colors["FWD"], label="forward compute"),
-              Patch(color=colors["BWD"], label="backward compute"),
-              Patch(color=colors["AG"], label="all-gather in flight"),
-              Patch(color=colors["RS"], label="reduce-scatter in flight"),
-              Patch(color=colors["launch"], label="exposed: launching a collective"),
-              Patch(color=colors["wait"], label="exposed: waiting for a collective")]
-    ax.legend(handles=legend, loc="upper right", fontsize=7, ncol=6, framealpha=0.9,
+    handles = [Patch(color=colors[key], label=text) for key, text in legend]
+    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles), framealpha=0.9,
               bbox_to_anchor=(1.0, -0.12 - 0.1 / max(n, 1)))
-    fig.text(0.01, 0.005, "units: " + ", ".join(f"{i} = {u or 'root'}" for u, i in numbers.items()),
-             fontsize=7)
+    fig.text(0.01, 0.005, footer, fontsize=7)
     fig.tight_layout()
     placed = _place_labels(fig, ax, candidates)
     fig.savefig(path, dpi=DPI)

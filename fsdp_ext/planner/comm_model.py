@@ -73,6 +73,12 @@ def all_reduce_s(full_bytes: float, world_size: int, link: Link) -> float:
     return 2 * all_gather_s(full_bytes, world_size, link)
 
 
+# Seconds of each collective kind from (full bytes, world size, link), for models that replay
+# collectives by kind (diagnostics/gpu_projection.py takes this as its `collective_s`).
+RING_FORMULAS = {"all_gather": all_gather_s, "reduce_scatter": reduce_scatter_s,
+                 "all_reduce": all_reduce_s}
+
+
 def fit_link(samples: list[tuple[float, float]], world_size: int, name: str) -> Link:
     """Least-squares alpha and bandwidth from measured (full_bytes, all-gather seconds) pairs."""
     steps = world_size - 1
