@@ -13,10 +13,10 @@ for device memory in the model:
 
   * a tensor with elements: its block is not host memory (stream_check.py: `streams.host_empty`
     buffers and what host-only ops made from them are host memory);
-  * a 0-dim tensor: made by an op on device tensors, or by a factory given a device; a factory
-    without one (an optimizer's `step = torch.tensor(0.0)`) makes a host scalar, as on a GPU run
-    (the model cannot tell by the device: every tensor is on the CPU). On this model a device named
-    explicitly stands for the accelerator.
+  * a 0-dim tensor: made by an op on device tensors, or by a factory given a torch.device; a
+    factory without one or given the string "cpu" (an optimizer's `step = torch.tensor(0.0,
+    device="cpu")`) makes a host scalar, as on a GPU run (the model cannot tell by the device:
+    every tensor is on the CPU). On this model a torch.device stands for the accelerator.
 
 Each record has its kind, its call site (the innermost frame outside torch), where it comes from
 (`runtime`: a frame of fsdp_ext/runtime on the stack, i.e. the hooks and the schedule; `api`: another
@@ -39,7 +39,8 @@ from torch.utils._pytree import tree_flatten
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 _DIAGNOSTICS = os.path.dirname(os.path.abspath(__file__))
-_SKIPPED = {os.path.join(_DIAGNOSTICS, f) for f in ("host_syncs.py", "stream_check.py")}
+_SKIPPED = {os.path.join(_DIAGNOSTICS, f)
+            for f in ("host_syncs.py", "stream_check.py", "launch_trace.py")}
 STEADY_FROM = 2  # the first iteration counted as steady state
 T = torch.Tensor
 
@@ -153,11 +154,14 @@ class HostSyncCounter:
         return block is not None and block.host and block.pinned
 
     # ---- records -------------------------------------------------------------------------------
-    def record(self, kind: str, stream: str | None = None) -> None:
-        """The host waits here for `stream` (None: the device's current stream)."""
+    def record(self, kind: str, stream: str | None = None, every_stream: bool = False) -> None:
+        """The host waits here for `stream` (None: the device's current stream; `every_stream`:
+        for every stream of the device)."""
         site, origin = _frames()
         step = self.model.iteration
         self.records.append(HostSync(kind, site, origin, self.scenario, step))
+        if stream is None and not every_stream:
+            stream = self.model.current_stream(torch.device("cpu")).name  # the model's device
         self.model.on_host_sync(stream, kind, site, origin == "runtime")
 
     @contextlib.contextmanager
@@ -182,6 +186,13 @@ class HostSyncCounter:
         return {key: n / max(1, len(self.steps[key[0]])) for key, n in counts.items()}
 
 
+def _names_host(device) -> bool:
+    """Whether a factory's `device` argument means host memory in the model: none, or the string
+    "cpu" (code that means the host says so, as torch's optimizers do for their `step`); a
+    torch.device, the runtime's way of naming its device, stands for the accelerator."""
+    return device is None or (isinstance(device, str) and device == "cpu")
+
+
 class SyncCalls(TorchFunctionMode):
     """Records the calls that would block the host (see the module docstring)."""
 
@@ -196,8 +207,8 @@ class SyncCalls(TorchFunctionMode):
             self.counter.record(kind)
         result = func(*args, **kwargs)
         if func in _FACTORIES and isinstance(result, torch.Tensor) and result.dim() == 0:
-            # a factory without a device makes a host scalar on a GPU run
-            self.counter.note_scalar(result, host=kwargs.get("device") is None)
+            # a factory without a device (or naming the host) makes a host scalar on a GPU run
+            self.counter.note_scalar(result, host=_names_host(kwargs.get("device")))
         return result
 
     def _blocking(self, func, args, kwargs) -> str | None:
@@ -215,7 +226,7 @@ class SyncCalls(TorchFunctionMode):
             return "boolean-mask indexing" if masks and counter.on_device(args[:1]) else None
         if func in _FROM_DATA:
             data = args[0] if args else kwargs.get("data")
-            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+            if not _names_host(kwargs.get("device")) and not isinstance(data, torch.Tensor):
                 return f"{_FROM_DATA[func]}(data, device=...)"
             return None
         if func is T.new_tensor:

@@ -51,7 +51,8 @@ SMALL_POOL_BYTES = 1 << 20  # the caching allocator serves allocations up to 1 M
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 _THIS_FILE = os.path.abspath(__file__)
-_CHECKER_FILES = {_THIS_FILE, os.path.join(os.path.dirname(_THIS_FILE), "host_syncs.py")}
+_CHECKER_FILES = {os.path.join(os.path.dirname(_THIS_FILE), f)
+                  for f in ("stream_check.py", "host_syncs.py", "launch_trace.py")}
 
 # c10d collectives carry no alias annotations: which arguments each writes (the rest it reads).
 _C10D_WRITES = {
@@ -502,7 +503,7 @@ def _explicit_synchronize(model: StreamModel):
     """`torch.cuda.synchronize()` and `torch.accelerator.synchronize()` inside the block: a host
     sync on every stream of the device (the model's host learns everything issued so far)."""
     def synchronize(device=None):
-        model.syncs.record("device synchronize")
+        model.syncs.record("device synchronize", every_stream=True)
         for clock in list(model.clocks.values()):
             model._merge(HOST, clock)
     saved = torch.cuda.synchronize, torch.accelerator.synchronize
