@@ -150,13 +150,13 @@ def reduce_bucket(unit, index: int, grads) -> None:
             pieces, divisor = _run_all_reduce_hook(unit.all_reduce_hook, pieces, post, reduce_dtype)
         if unit.offload is not None and not side:
             pieces = [to_host(p) for p in pieces]
-        storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
-        result.clear()  # the packed buffer can go now, not when this closure is dropped
-        if offload_on_stream:  # the host reads the copies after the step's one wait for them
+        if offload_on_stream:  # the host reads its copies after the step's one wait for them
             unit.schedule.after_host_sync(
                 lambda: _epilogue(unit.name, bucket, pieces, divisor, used_now))
-        else:
+        else:  # (on CPU the pieces are views of the packed buffer: before it is recycled)
             _epilogue(unit.name, bucket, pieces, divisor, used_now)
+        storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
+        result.clear()  # the packed buffer can go now, not when this closure is dropped
 
     finish.pending = pending  # what Schedule.abandon_backward waits for without applying
     unit.schedule.add_pending_reduce_scatter(finish)
