@@ -126,8 +126,8 @@ def check_backward_prefetch_and_flags(rank, world):
         ours, _ = _same(rank, world, f"backward_prefetch={prefetch}", backward_prefetch=prefetch,
                         forward_prefetch=True, limit_all_gathers=False, steps=1)
         options = ours.module._unit.schedule.options
-        assert options["backward_prefetch_at"] == {P.BACKWARD_POST: "post"}.get(prefetch, "pre")
-        assert options["backward_prefetch"] == (0 if prefetch is None else 1)
+        assert options.backward_prefetch_at == {P.BACKWARD_POST: "post"}.get(prefetch, "pre")
+        assert options.backward_prefetch == (0 if prefetch is None else 1)
         assert ours.backward_prefetch is prefetch and ours.forward_prefetch is True
 
 

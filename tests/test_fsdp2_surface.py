@@ -166,7 +166,7 @@ def check_reduction_knobs(rank, world):
     # recurse=False set the root's unit only
     assert ours._unit.groups.separate_reduce_scatter is not None
     assert ours.blocks[0]._unit.groups.separate_reduce_scatter is None
-    assert ours.blocks[0]._unit.options["max_pending_reduce_scatters"] == 2
+    assert ours.blocks[0]._unit.options.max_pending_reduce_scatters == 2
     model = scripts.shard(fsdp_ext, scripts.build())
     _raises(lambda: model.set_all_reduce_hook(lambda out: None, stream=object()), "stream")
     with warnings.catch_warnings(record=True) as caught:

@@ -155,3 +155,35 @@ def test_the_check_fails_on_a_planted_upward_import_and_a_planted_loop(tmp_path)
         "fsdp_ext.runtime.unit -> fsdp_ext.api.fully_shard: layer 'runtime' (2) may not import "
         "layer 'api' (4)"]
     assert ["fsdp_ext.runtime.registry", "fsdp_ext.runtime.schedule"] in cycles(graph)
+
+
+def _written_attributes(source: str, own: set[str]) -> list[str]:
+    """`line: target` of every assignment to an attribute or item of an object not named in
+    `own` (augmented and annotated assignments included)."""
+    def base(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else ""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for element in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(element, (ast.Attribute, ast.Subscript)) and base(element) not in own:
+                    found.append(f"{node.lineno}: {ast.unparse(element)}")
+    return found
+
+
+def test_the_schedule_writes_only_its_own_state():
+    """Unit -> Schedule is one way: the schedule orders units and asks them to act through their
+    methods (join, start_step, reshard, ...), never by writing their fields, their buckets' or
+    their gradient state (a cycle the imports alone would not show: runtime/schedule.py imports
+    no unit). The one other object it writes is a schedule it just made (`schedule`)."""
+    path = os.path.join(PACKAGE_DIR, "runtime", "schedule.py")
+    with open(path) as f:
+        written = _written_attributes(f.read(), own={"self", "schedule"})
+    assert written == [], "runtime/schedule.py writes other objects' state:\n" + "\n".join(written)
+    # the check itself sees such writes
+    assert _written_attributes("def f(unit):\n    unit.x = 1\n    unit.a.b[0] += 2\n",
+                               own={"self"}) == ["2: unit.x", "3: unit.a.b[0]"]

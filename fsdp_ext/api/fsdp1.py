@@ -124,7 +124,7 @@ class FullyShardedDataParallel(nn.Module):
                      reshard_after_forward=None if strategy.reshard_after_forward else False,
                      mp_policy=options.mixed_precision(mixed_precision, True),
                      offload_policy=offload, **common)
-        module._unit.options["backward_prefetch_at"] = prefetch_at or "pre"
+        module._unit.options.backward_prefetch_at = prefetch_at or "pre"
         self._fsdp_wrapped_module = module
         # torch's FSDP1 defaults: full state dicts, the optimizer's moved to the CPU
         fsdp1_state.set_type(module, StateDictType.FULL_STATE_DICT)

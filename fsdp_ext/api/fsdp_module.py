@@ -17,6 +17,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from ..runtime import comm
 from ..runtime.registry import UNIT_ATTR, unit_of
+from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.unit import Unit
 from ..state.load_checks import load_problems
 from .clip import clip_grad_norm_
@@ -126,12 +127,9 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward's end does not wait for its gradient reductions (they finish
-        by the next backward's end or the next forward). Set True for the last micro-batch."""
-        unit = self._unit
-        if unit.schedule is None or unit.schedule.standalone:
-            unit.options["is_last_backward"] = is_last_backward
-        else:
-            unit.schedule.is_last_backward = is_last_backward
+        by the next backward's end or the next forward). Set True for the last micro-batch.
+        Schedule-wide: on the root (or, after the first forward, any module of its tree)."""
+        _schedule_options(self._unit).is_last_backward = bool(is_last_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduced gradients are the sum divided by `factor` (default: the data-parallel size)."""
@@ -145,16 +143,20 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """fsdp_ext's reductions are always SUM (the divide is fused into its kernels), which is
-        what True asks for; False lets torch use AVG / PREMUL_SUM, with the same results."""
-        self._unit.options["force_sum_reduction_for_comms"] = bool(enable)
+        what True asks for; False lets torch use AVG / PREMUL_SUM, with the same results: both
+        are honoured by doing nothing."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
         """fsdp_ext always reduces zeros for parameters a rank did not use (so ranks that use
         different parameters never mismatch), which is True's behaviour; with False torch skips
-        them, which gives the same gradients wherever its collectives still match."""
-        for unit in _units_under(self, recurse):
-            unit.options["reduce_scatter_unused_params"] = bool(reduce_scatter_unused_params)
+        them, which gives the same gradients wherever its collectives still match: both are
+        honoured by doing nothing."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError("reduce_scatter_unused_params must be a bool, got "
+                            f"{type(reduce_scatter_unused_params).__name__}")
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """`hook(reduce_output)` on each reduced gradient shard of this module (after the
@@ -176,10 +178,8 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for unit in _units_under(self, recurse):
-            unit.options["max_pending_reduce_scatters"] = max_input_buffers
-            if unit.schedule is not None and unit.is_root:
-                unit.schedule.options["max_pending_reduce_scatters"] = max_input_buffers
+        for unit in _units_under(self, recurse):  # one bound per schedule: the root's applies
+            _schedule_options(unit).max_pending_reduce_scatters = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Gradient reductions on their own process group over the shard ranks (collective:
@@ -251,13 +251,15 @@ class FSDPModule(_TorchFSDPModule):
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
-        """Prefetch depth for this root's schedule (fsdp_ext extension; default 1 and 1)."""
-        if forward is not None:
-            self._unit.options["forward_prefetch"] = forward
-        if backward is not None:
-            self._unit.options["backward_prefetch"] = backward
-        if self._unit.schedule is not None:
-            self._unit.schedule.options.update(self._unit.options)
+        """Prefetch depth of the root's schedule (fsdp_ext extension; default 1 and 1).
+        Schedule-wide: on the root (or, after the first forward, any module of its tree)."""
+        options = _schedule_options(self._unit)
+        for name, depth in (("forward", forward), ("backward", backward)):
+            if depth is None:
+                continue
+            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+                raise ValueError(f"{name} prefetch depth must be an int >= 0, got {depth!r}")
+            setattr(options, f"{name}_prefetch", depth)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module's, after a check of every key (strict) and global shape that raises before
@@ -298,11 +300,20 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped)
 
 
+def _schedule_options(unit) -> ScheduleOptions:
+    """The options record a schedule-wide setter writes: the root schedule's once a forward ran
+    (from any module of the tree); before that the unit's own, which the schedule reads if the
+    unit becomes the root (torch's FSDP2 likewise keeps what was set on its root before lazy
+    initialisation, runtime/schedule_options.py)."""
+    return unit.schedule.options if unit.schedule is not None else unit.options
+
+
 def share_comm_ctx(modules: list) -> None:
     """Roots that run one after another (pipeline stages) share their collective streams."""
     units = _fsdp_units(modules, "share_comm_ctx")
     if not units:
         return
-    shared = units[0].options.setdefault("comm_ctx", {})
+    if units[0].options.comm_ctx is None:
+        units[0].options.comm_ctx = {}
     for unit in units[1:]:
-        unit.options["comm_ctx"] = shared
+        unit.options.comm_ctx = units[0].options.comm_ctx

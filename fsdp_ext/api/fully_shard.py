@@ -13,6 +13,7 @@ from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
 from ..runtime import comm
 from ..runtime.registry import UNIT_ATTR, unit_of
+from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.unit import Unit
 from ..state.hooks import install_state_dict_hooks
 from . import default_group, options
@@ -210,12 +211,13 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
         reshard_after_forward = reshard_after_forward > 1
     if check_finite_grads is None:
         check_finite_grads = os.environ.get("FSDP_EXT_CHECK_FINITE_GRADS", "0") not in ("", "0")
-    unit_options = dict(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-                        limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
-                        check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
-    unit = Unit(members, groups, mp_policy, reshard_after_forward, unit_options, offload_policy,
-                param_init_fn, layout=layout, mesh=mesh,
-                ignored_params={id(p) for p in ignored_params or ()})
+    schedule_options = ScheduleOptions(
+        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+        limit_in_flight=limit_in_flight, collective_timeout=collective_timeout)
+    unit = Unit(members, groups, mp_policy, reshard_after_forward, schedule_options,
+                offload_policy, param_init_fn, layout=layout, mesh=mesh,
+                ignored_params={id(p) for p in ignored_params or ()},
+                check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
     for member in members:
         member.__dict__[UNIT_ATTR] = unit
         install_state_dict_hooks(member)

@@ -101,17 +101,17 @@ def _prefetch_lines(units: list[tuple[str, Unit, list[str]]]) -> list[str]:
                 for i in range(len(seq))]
 
     back = order[::-1]
-    fwd_ahead = ahead(order, opts["forward_prefetch"], lambda v: True)
-    bwd_ahead = ahead(back, opts["backward_prefetch"], regathered)
+    fwd_ahead = ahead(order, opts.forward_prefetch, lambda v: True)
+    bwd_ahead = ahead(back, opts.backward_prefetch, regathered)
     bound = schedule.max_in_flight()
     lines = [f"forward order (recorded): {' -> '.join(names[id(u)] for u in order)}",
-             f"forward prefetch depth {opts['forward_prefetch']}: all-gathers issued before each "
+             f"forward prefetch depth {opts.forward_prefetch}: all-gathers issued before each "
              "unit computes"]
     lines += [f"  {names[id(u)]:<20} prefetches {a}" for u, a in zip(order, fwd_ahead)]
     lines.append(f"backward order: {' -> '.join(names[id(u)] for u in back)}; regathered: "
                  + (", ".join(names[id(u)] for u in back if regathered(u)) or "none"))
-    lines.append(f"backward prefetch depth {opts['backward_prefetch']} "
-                 f"({'before' if opts['backward_prefetch_at'] == 'pre' else 'after'} each unit's "
+    lines.append(f"backward prefetch depth {opts.backward_prefetch} "
+                 f"({'before' if opts.backward_prefetch_at == 'pre' else 'after'} each unit's "
                  "backward compute)")
     lines += [f"  {names[id(u)]:<20} prefetches {a}" for u, a in zip(back, bwd_ahead)]
     lines.append("in-flight bound: " + (f"at most {bound} freed-after-forward units unsharded"

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 from ..runtime.layout import flat_layout, rows_layout
 from ..runtime.unit import DIRECT_MIN_NUMEL
-from ..runtime.schedule import DEFAULT_OPTIONS
+from ..runtime.schedule_options import ScheduleOptions
 from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
 from .measure import UnitSpec
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-MAX_PENDING_REDUCE_SCATTERS = DEFAULT_OPTIONS["max_pending_reduce_scatters"]
+MAX_PENDING_REDUCE_SCATTERS = ScheduleOptions().max_pending_reduce_scatters
 
 
 @dataclass(frozen=True)

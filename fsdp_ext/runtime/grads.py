@@ -70,7 +70,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     reduce_dtype = unit.mp.reduce_dtype or unit.full[index].dtype
     pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
     device = unit.full[index].device
-    if unit.options.get("check_finite_grads"):  # off by default: no cost beyond this lookup
+    if unit.check_finite_grads:  # off by default: no cost beyond this lookup
         state.nonfinite = finite.merge_flags(state.nonfinite, grads, device)
 
     if not unit.requires_gradient_sync:
@@ -81,13 +81,13 @@ def reduce_bucket(unit, index: int, grads) -> None:
             state.unsharded_accumulator.add_(flat)
         return
 
-    result = {}
     accumulator, state.unsharded_accumulator = state.unsharded_accumulator, None
+    partial, state.partial_reduce = state.partial_reduce, None
     side = unit.schedule.streams.side
     all_reduce = groups.replicate is not None and unit.requires_all_reduce
-    partial, state.partial_reduce = state.partial_reduce, None
-    keep_partial = groups.replicate is not None and not unit.requires_all_reduce
-    offload_on_stream = side and unit.offload is not None and not keep_partial
+    record = PendingReduce(unit, index, keep_partial=groups.replicate is not None
+                           and not unit.requires_all_reduce, divisor=post)
+    record.offload_on_stream = side and unit.offload is not None and not record.keep_partial
 
     def collectives(async_op: bool) -> list:
         with profiler_range("pack_grads", unit.name):
@@ -101,13 +101,13 @@ def reduce_bucket(unit, index: int, grads) -> None:
         if partial is not None:  # on the collective's stream, after the reduce-scatter
             for piece, earlier in zip(pieces, partial):
                 piece.add_(earlier)
-        if keep_partial:  # its own copy: the packed buffer is recycled
-            result["partial"] = [p.clone() for p in pieces]
+        if record.keep_partial:  # its own copy: the packed buffer is recycled
+            record.partial = [p.clone() for p in pieces]
         elif all_reduce:
             works = [comm.all_reduce_sum(p, groups.replicate, async_op) for p in pieces]
-        if offload_on_stream:  # queued after the collective on this stream; the host waits for it
+        if record.offload_on_stream:  # queued after the collective on this stream
             pieces = [copy_to_host(p) for p in pieces]
-        result.update(pieces=pieces, flat=flat)
+        record.flat, record.pieces = flat, pieces
         return [w for w in works if w is not None]
 
     checker = unit.schedule.checker
@@ -122,7 +122,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
     with profiler_range("reduce_scatter", unit.name):
-        pending = unit.schedule.streams.launch(
+        record.pending = unit.schedule.streams.launch(
             "reduce_scatter", collectives, keep_alive=[],
             label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}", tags=tags)
     RECORDER.add("reduce_scatter.issued", unit.name)  # launched: gradients packed, collective queued
@@ -131,35 +131,64 @@ def reduce_bucket(unit, index: int, grads) -> None:
     # waited for it (streams.py). Without, the pack already ran, and dropping the gradients now
     # frees a unit's gradients per pending reduce-scatter.
     kept = [*grads, accumulator, *(partial or ())] if side else []
-    pending.keep_alive.extend([result["flat"], *(t for t in kept if t is not None)])
-    used_now, state.used = state.used, []
-    nonfinite, state.nonfinite = state.nonfinite, None
+    record.pending.keep_alive.extend([record.flat, *(t for t in kept if t is not None)])
+    record.used, state.used = state.used, []
+    record.nonfinite, state.nonfinite = state.nonfinite, None
+    unit.schedule.add_pending_reduce_scatter(record)
 
-    def finish() -> None:
+
+@dataclass(eq=False)
+class PendingReduce:
+    """One bucket's gradient reduction in flight, from its launch to `finish()` (its results
+    reach the gradient shard and `.grad`) or `abandon()` (its collectives are waited for and its
+    results dropped: the backward that made them failed). The schedule holds these in issue order
+    (Schedule.pending_reduce_scatters); nothing else writes them after the launch."""
+
+    unit: object                 # runtime.unit.Unit (not imported: unit imports this module)
+    index: int                   # the bucket's
+    keep_partial: bool = False   # HSDP, all-reduce deferred: the sum waits for a later reduction
+    divisor: float = 1.0         # post-divide of the reduced sum (mixed_precision.divide_factors)
+    offload_on_stream: bool = False  # pieces are host copies, read after the step's host wait
+    pending: comm.Pending | None = None
+    flat: torch.Tensor | None = None          # the packed buffer (recycled at the end)
+    pieces: list[torch.Tensor] = field(default_factory=list)  # this rank's reduced regions
+    partial: list[torch.Tensor] | None = None  # keep_partial: their own copies
+    used: list[bool] = field(default_factory=list)  # per parameter: got a gradient since sync
+    nonfinite: torch.Tensor | None = None     # check_finite_grads: the flags to exchange
+
+    def finish(self) -> None:
+        unit, bucket = self.unit, self.unit.buckets[self.index]
         with span("reduce_scatter.wait", unit.name):
-            pending.wait()
-        if nonfinite is not None:
-            finite.raise_if_nonfinite(unit, index, nonfinite)
-        if keep_partial:  # HSDP, all-reduce deferred: nothing reaches .grad yet
-            state.partial_reduce = result["partial"]
-            storage_cache.recycle(result["flat"])
-            result.clear()
+            self.pending.wait()
+        if self.nonfinite is not None:
+            finite.raise_if_nonfinite(unit, self.index, self.nonfinite)
+        if self.keep_partial:  # nothing reaches .grad yet
+            unit.bucket_grads[self.index].partial_reduce = self.partial
+            self._release()
             return
-        pieces, divisor = result["pieces"], post
+        pieces, divisor = self.pieces, self.divisor
+        reduce_dtype = self.flat.dtype
         if unit.all_reduce_hook is not None:
-            pieces, divisor = _run_all_reduce_hook(unit.all_reduce_hook, pieces, post, reduce_dtype)
-        if unit.offload is not None and not side:
+            pieces, divisor = _run_all_reduce_hook(unit.all_reduce_hook, pieces, divisor,
+                                                   reduce_dtype)
+        if unit.offload is not None and not unit.schedule.streams.side:
             pieces = [to_host(p) for p in pieces]
-        if offload_on_stream:  # the host reads its copies after the step's one wait for them
+        if self.offload_on_stream:  # the host reads its copies after the step's one wait
+            used = self.used
             unit.schedule.after_host_sync(
-                lambda: _epilogue(unit.name, bucket, pieces, divisor, used_now))
+                lambda: _epilogue(unit.name, bucket, pieces, divisor, used))
         else:  # (on CPU the pieces are views of the packed buffer: before it is recycled)
-            _epilogue(unit.name, bucket, pieces, divisor, used_now)
-        storage_cache.recycle(result["flat"])  # nothing reads the packed buffer any more
-        result.clear()  # the packed buffer can go now, not when this closure is dropped
+            _epilogue(unit.name, bucket, pieces, divisor, self.used)
+        self._release()
 
-    finish.pending = pending  # what Schedule.abandon_backward waits for without applying
-    unit.schedule.add_pending_reduce_scatter(finish)
+    def abandon(self) -> None:
+        self.pending.wait()
+        self._release()
+
+    def _release(self) -> None:
+        if self.flat is not None:
+            storage_cache.recycle(self.flat)  # nothing reads the packed buffer any more
+        self.flat, self.pieces, self.partial = None, [], None
 
 
 def _epilogue(unit_name: str, bucket: Bucket, pieces: list[torch.Tensor], divisor: float,

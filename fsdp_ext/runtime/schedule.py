@@ -23,15 +23,6 @@ from .fingerprints import CollectiveChecker
 from .registry import unit_name, units_with_paths
 from .trace import RECORDER
 
-DEFAULT_OPTIONS = dict(
-    forward_prefetch=1,         # units whose all-gather is issued ahead in forward
-    backward_prefetch=1,        # ... in backward
-    backward_prefetch_at="pre",  # "pre": before the unit's backward compute; "post": after it
-    limit_in_flight=True,       # bound transient unsharded units by max(depth) + 1
-    max_pending_reduce_scatters=1,  # each pending one holds a unit-sized packed gradient buffer
-)
-
-
 SINGLE_PROCESS = (
     "fsdp_ext: no process group and no launcher: this is one process and nothing is sharded "
     "(world size 1). To shard, launch with torchrun (fully_shard then initialises the default "
@@ -42,9 +33,9 @@ class Schedule:
     def __init__(self, root: Unit, units: list[Unit]):
         self.root = root
         self.units = units
-        self.options = {**DEFAULT_OPTIONS, **root.options}
-        timeout = comm.collective_timeout(self.options.get("collective_timeout"))
-        shared = self.options.get("comm_ctx")  # share_comm_ctx: roots that share their streams
+        self.options = root.options  # the root's own record: setters on the root write it
+        timeout = comm.collective_timeout(self.options.collective_timeout)
+        shared = self.options.comm_ctx  # share_comm_ctx: roots that share their streams
         if shared is not None:
             self.streams = shared.setdefault("streams", comm.Streams(root.groups.device, timeout))
         else:
@@ -70,7 +61,6 @@ class Schedule:
         # never ran, and their gathered values may be stale (the shards may have changed since).
         self.kept_for_backward: list[Unit] = []
         self.standalone = False           # made by unshard() before any forward (create_standalone)
-        self.is_last_backward = True      # set_is_last_backward(False): leave reductions pending
         self.post_optim_event = None      # set_post_optim_event: what the next all-gather waits on
         self._reported_idle: set[Unit] = set()  # units named by _report_idle_units
 
@@ -80,7 +70,7 @@ class Schedule:
         schedule replaces it at the first forward."""
         schedule = cls(unit, [unit])
         schedule.standalone = True
-        unit.schedule = schedule
+        unit.join(schedule, unit.member_names, is_root=False)
         return schedule
 
     @classmethod
@@ -96,14 +86,12 @@ class Schedule:
                 raise RuntimeError(
                     f"unit '{unit_name(names)}' already ran forward under another root; apply "
                     "fully_shard to every submodule before the first forward of the model")
-            unit.member_names, unit.name = names, unit_name(names)
         units = list(paths)
         if root.groups.single_process:
             warnings.warn(SINGLE_PROCESS, stacklevel=2)
         schedule = cls(root, units)
-        for unit in units:
-            unit.schedule = schedule
-            unit.is_root = unit is root
+        for unit, names in paths.items():
+            unit.join(schedule, names, is_root=unit is root)
         return schedule
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -116,12 +104,7 @@ class Schedule:
             unit.reshard()
         self.kept_for_backward = []
         for unit in self.units:  # users edit models between steps: check before any collective
-            unit.members_to_run.clear()  # a list unit some of whose members did not run
-            unit.check_params_unchanged()
-            unit.post_forward_chunks = None  # kept by a forward whose backward never ran
-        for unit in self.units:
-            for bucket in unit.buckets:
-                bucket.release_grad_shard_if_unused()
+            unit.start_step()
         self.checker.next_iteration()
         streams.iteration_started(self, self.checker.step)
         if not self.streams.side:
@@ -155,7 +138,7 @@ class Schedule:
         if unit.forward_prefetch_units is not None:  # set_modules_to_forward_prefetch
             self._prefetch(unit.forward_prefetch_units, explicit=True)
             return
-        depth = self.options["forward_prefetch"]
+        depth = self.options.forward_prefetch
         index = self._position.get(unit)
         if depth > 0 and index is not None:
             self._prefetch(self.forward_order[index + 1:index + 1 + depth])
@@ -181,26 +164,27 @@ class Schedule:
                 self._prefetch([u for u in unit.backward_prefetch_units if u.unshard_in_backward],
                                explicit=True)
             return
-        depth = self.options["backward_prefetch"]
+        depth = self.options.backward_prefetch
         index = self._position.get(unit)
-        if self.options["backward_prefetch_at"] == moment and depth > 0 and index is not None:
+        if self.options.backward_prefetch_at == moment and depth > 0 and index is not None:
             self._prefetch([u for u in self.forward_order[max(index - depth, 0):index][::-1]
                             if u.unshard_in_backward])
 
     def _finish_oldest_reduce_scatters(self, keep: int) -> None:
         while len(self.pending_reduce_scatters) > keep:
-            self.pending_reduce_scatters.popleft()()
+            self.pending_reduce_scatters.popleft().finish()
 
     def make_room_for_reduce_scatter(self) -> None:
         """Finish the oldest pending reduce-scatters before a new one packs its buffer, so that
         with it at most max_pending_reduce_scatters packed buffers exist at a time (the default,
         1: the previous unit's is finished and freed first). That one was issued a unit's
         backward compute ago, so its wait rarely blocks."""
-        self._finish_oldest_reduce_scatters(max(self.options["max_pending_reduce_scatters"], 1) - 1)
+        self._finish_oldest_reduce_scatters(max(self.options.max_pending_reduce_scatters, 1) - 1)
 
-    def add_pending_reduce_scatter(self, finish) -> None:
-        self.pending_reduce_scatters.append(finish)
-        self._finish_oldest_reduce_scatters(self.options["max_pending_reduce_scatters"])
+    def add_pending_reduce_scatter(self, record) -> None:
+        """`record`: a grads.PendingReduce, finished in issue order."""
+        self.pending_reduce_scatters.append(record)
+        self._finish_oldest_reduce_scatters(self.options.max_pending_reduce_scatters)
 
     def drain_reduce_scatters(self) -> None:
         self._finish_oldest_reduce_scatters(0)
@@ -209,7 +193,7 @@ class Schedule:
         """Runs once when autograd finishes: flush gradients, free whatever is still unsharded
         (set_is_last_backward(False) leaves the reductions in flight until the next backward's
         end or the next forward; set_reshard_after_backward(False) keeps that unit gathered)."""
-        if self.is_last_backward:
+        if self.options.is_last_backward:
             self.drain_reduce_scatters()
         self.sync_host_reads()
         self.kept_for_backward = []
@@ -272,11 +256,9 @@ class Schedule:
         applying them now would land after the user's zero_grad(). The units go back to sharded.
         """
         while self.pending_reduce_scatters:
-            self.pending_reduce_scatters.popleft().pending.wait()
+            self.pending_reduce_scatters.popleft().abandon()
         for unit in self.units:
-            for state in unit.bucket_grads:
-                state.unsharded_accumulator, state.used, state.nonfinite = None, [], None
-                state.partial_reduce = None
+            unit.drop_gradient_state()
         self.finalize_backward()
 
     def reset_iter_state(self) -> None:
@@ -284,7 +266,7 @@ class Schedule:
         step's gradients (no_sync and HSDP partial sums included), reshard every unit."""
         for unit in self.units:
             unit.wait_unshard()
-            unit.method_depth = 0
+            unit.leave_methods()
         self.in_forward = False
         self._recording = {}
         self.abandon_backward()
@@ -331,6 +313,6 @@ class Schedule:
                 self.prefetching = False
 
     def max_in_flight(self) -> int | None:
-        if not self.options["limit_in_flight"]:
+        if not self.options.limit_in_flight:
             return None
-        return max(self.options["forward_prefetch"], self.options["backward_prefetch"]) + 1
+        return max(self.options.forward_prefetch, self.options.backward_prefetch) + 1

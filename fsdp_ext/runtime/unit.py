@@ -31,8 +31,9 @@ from .deferred_init import materialize_meta_modules
 from .grads import BucketGrads, reduce_bucket
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
 from .offload import CPUOffloadPolicy, to_compute_device
+from .schedule_options import ScheduleOptions
 from .param_buckets import OWNER_ATTR, build_buckets, init_sharded_state
-from .registry import unit_of
+from .registry import unit_name, unit_of
 from .schedule import Schedule
 from .trace import RECORDER, begin_range, end_range, profiler_range, span
 
@@ -75,15 +76,17 @@ class Unit:
 
     def __init__(self, module: nn.Module | list[nn.Module], groups: comm.Groups,
                  mp: MixedPrecisionPolicy,
-                 reshard_after_forward: bool | int | None, options: dict,
+                 reshard_after_forward: bool | int | None, options: ScheduleOptions,
                  offload: CPUOffloadPolicy | None = None, param_init_fn=None,
-                 layout: str = "flat", mesh=None, ignored_params: set[int] = frozenset()):
+                 layout: str = "flat", mesh=None, ignored_params: set[int] = frozenset(),
+                 check_finite_grads: bool = False, direct_min_numel: int | None = None):
         self.members = list(module) if isinstance(module, (list, tuple)) else [module]
         self.module = self.members[0]    # the unit's module (a list's first)
         self.groups = groups
         self.mp = mp
         self.reshard_after_forward = reshard_after_forward  # None: True unless root
-        self.options = options           # schedule options, read by the root
+        self.options = options           # the schedule's if it becomes the root (schedule_options)
+        self.check_finite_grads = check_finite_grads  # flags exchanged per bucket (finite.py)
         self.name = ""                   # fully qualified name, set by the root at lazy init
         self.member_names = [""] * len(self.members)  # each member's, likewise
         self.members_to_run: set[int] = set()  # a list's members yet to run in this forward
@@ -107,7 +110,7 @@ class Unit:
                                      groups.device, param_init_fn)
         self.mesh = (dtensor_params.storage_mesh(mesh, groups.shard, groups.replicate, groups.device)
                      if layout == "rows" else None)
-        direct_min_numel = options.get("direct_min_numel") or int(
+        direct_min_numel = direct_min_numel or int(
             os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
         self.buckets = build_buckets(self.members, groups, layout, self.mesh, direct_min_numel,
                                      ignored_params)
@@ -590,6 +593,33 @@ class Unit:
             reduce_bucket(self, i, [next(grads) for _ in self.buckets[i].slots])
         self.use_sharded_params()
         self.schedule.prefetch_backward(self, "post")
+
+    # ---- what the schedule asks of its units -----------------------------------------------------------
+    def join(self, schedule: Schedule, member_names: list[str], is_root: bool) -> None:
+        """Become one of `schedule`'s units, named as the root's module tree names it."""
+        self.schedule, self.is_root = schedule, is_root
+        self.member_names = member_names
+        self.name = unit_name(member_names)
+
+    def start_step(self) -> None:
+        """At the root's pre-forward: users edit models between steps, so the parameters are
+        checked before any collective; what the last step left behind goes."""
+        self.members_to_run.clear()  # a list unit some of whose members did not run
+        self.check_params_unchanged()
+        self.post_forward_chunks = None  # kept by a forward whose backward never ran
+        for bucket in self.buckets:
+            bucket.release_grad_shard_if_unused()
+
+    def drop_gradient_state(self) -> None:
+        """After a failed backward: no_sync accumulation, HSDP partial sums and flags are the
+        failed step's; dropped, not applied."""
+        for state in self.bucket_grads:
+            state.unsharded_accumulator, state.used, state.nonfinite = None, [], None
+            state.partial_reduce = None
+
+    def leave_methods(self) -> None:
+        """reset_iter_state: a registered method that raised is no longer running."""
+        self.method_depth = 0
 
     def reset_backward_state(self) -> None:
         self.pre_backward_done = False

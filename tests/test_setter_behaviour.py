@@ -1,0 +1,208 @@
+"""FSDP2's scheduling setters observed, not only their numbers: the same script under torch's
+fully_shard and fsdp_ext's, each setter called before the first forward and between steps, and the
+collectives each framework issues counted as (step, phase, kind, unit).
+
+What a setter changes is compared, not the raw counts: the two runtimes schedule the baseline
+differently on purpose (fsdp_ext keeps the last unit of the forward gathered for the backward that
+starts with it, where FSDP2 frees and regathers it), so each framework's counts with the setter are
+taken against its own counts without it, and those differences must agree. Tags (fsdp_ext's 8-byte
+checks) are not counted: the runtime's own timeline events name the data collectives.
+
+Counted: torch's foreach_all_gather / foreach_reduce calls (one per unit gather or reduction, the
+unit from the calling parameter group), fsdp_ext's all_gather.issue / reduce_scatter.issue events.
+"""
+from __future__ import annotations
+
+import collections
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+from fsdp_ext.runtime import trace
+
+from . import fsdp2_scripts as scripts
+from .dist_utils import run_distributed
+
+STEPS = 3
+
+
+class _Counter:
+    """(step, phase, kind, unit) of every data collective issued while installed."""
+
+    def __init__(self, model):
+        self.units = {id(m): name for name, m in model.named_modules()}
+        self.counts: collections.Counter = collections.Counter()
+        self.step = 0
+
+    def add(self, kind: str, unit: str) -> None:
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        self.counts[(self.step, phase, kind, unit or "root")] += 1
+
+    def install(self, framework: str):
+        if framework == "torch":
+            originals = (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce)
+
+            def counted(fn, kind):
+                def wrapper(*args, **kwargs):
+                    group = sys._getframe(1).f_locals["self"]  # the FSDPParamGroup issuing it
+                    self.add(kind, self.units[id(group.modules[0])])
+                    return fn(*args, **kwargs)
+                return wrapper
+            _fsdp_param_group.foreach_all_gather = counted(originals[0], "all_gather")
+            _fsdp_param_group.foreach_reduce = counted(originals[1], "reduce_scatter")
+
+            def restore():
+                _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce = originals
+            return restore
+        original = trace.RECORDER.add
+
+        def add(kind: str, unit: str) -> None:
+            if kind in ("all_gather.issue", "reduce_scatter.issue"):
+                self.add(kind.partition(".")[0], unit)
+            original(kind, unit)
+        trace.RECORDER.add = add
+
+        def restore():
+            trace.RECORDER.add = original
+        return restore
+
+
+def _gpt(fsdp):
+    """GPT, blocks then root sharded; (model, loss(model, step, rank, world))."""
+    def loss(model, step, rank, world):
+        idx = scripts.batch(step, rank, world)
+        return model(idx, idx)
+    return scripts.shard(fsdp, scripts.build()), loss
+
+
+def _embedding_unit(fsdp):
+    """An embedding unit (its backward needs no parameter), an MLP unit, the root."""
+    from .test_fsdp2_surface import _EmbedThenMLP
+    model = _EmbedThenMLP()
+    fsdp.fully_shard(model.embed)
+    fsdp.fully_shard(model.mlp)
+    fsdp.fully_shard(model)
+    return model, lambda model, step, rank, world: model(scripts.batch(step, rank, world))
+
+
+def _collectives(fsdp, rank: int, world: int, setter, when: str,
+                 build=_gpt) -> collections.Counter:
+    """The script (`build`'s model, AdamW, STEPS steps) with `setter(model)` called before the
+    first forward ("before") or after the first step ("between"), or never (None)."""
+    model, loss = build(fsdp)
+    opt = scripts.adamw(model)
+    counter = _Counter(model)
+    restore = counter.install(fsdp.name)
+    try:
+        if setter is not None and when == "before":
+            setter(model)
+        for step in range(STEPS):
+            counter.step = step
+            loss(model, step, rank, world).backward()
+            opt.step()
+            opt.zero_grad()
+            if setter is not None and when == "between" and step == 0:
+                setter(model)
+    finally:
+        restore()
+    return counter.counts
+
+
+def _effect(fsdp, rank, world, setter, when, build) -> dict:
+    """What the setter changed: counts with it minus counts without it (non-zero entries)."""
+    base = _collectives(fsdp, rank, world, None, when, build)
+    with_it = _collectives(fsdp, rank, world, setter, when, build)
+    keys = set(base) | set(with_it)
+    return {k: with_it[k] - base[k] for k in sorted(keys) if with_it[k] != base[k]}
+
+
+# name: (setter, model, units whose changes are left out of the comparison, and why)
+SETTERS = {
+    # no reduce-scatter in the steps after it (gradients accumulate unsharded)
+    "set_requires_gradient_sync(False)": (lambda m: m.set_requires_gradient_sync(False), _gpt,
+                                          ()),
+    # every unit stays gathered from forward to backward: no backward all-gathers. The last unit
+    # of the forward is left out: fsdp_ext never regathers it anyway (nothing to remove)
+    "set_reshard_after_forward(False)": (lambda m: m.set_reshard_after_forward(False), _gpt,
+                                         ("blocks.1",)),
+    # gathered from backward to the next forward: that forward gathers nothing
+    "set_reshard_after_backward(False)": (lambda m: m.set_reshard_after_backward(False), _gpt,
+                                          ()),
+    # the embedding's backward needs no parameters: no backward all-gather for it (torch's
+    # contract: a unit whose backward does need them fails there)
+    "embed.set_unshard_in_backward(False)": (lambda m: m.embed.set_unshard_in_backward(False),
+                                             _embedding_unit, ()),
+}
+
+
+def check_setter(rank: int, world: int, name: str, when: str) -> None:
+    setter, build, left_out = SETTERS[name]
+    effects = {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        effect = _effect(fsdp, rank, world, setter, when, build)
+        effects[fsdp.name] = {k: v for k, v in effect.items() if k[3] not in left_out}
+    assert effects["torch"], f"{name} ({when}): torch's collectives did not change: vacuous"
+    assert effects["fsdp_ext"] == effects["torch"], (
+        f"rank {rank}: {name} called {when} the first forward changed the collectives "
+        f"(step, phase, kind, unit): +added / -removed\n  torch:    {effects['torch']}\n"
+        f"  fsdp_ext: {effects['fsdp_ext']}")
+
+
+def setters_worker(rank: int, world: int) -> None:
+    for name in SETTERS:
+        for when in ("before", "between"):
+            check_setter(rank, world, name, when)
+    check_is_last_backward_before_first_forward(rank, world)
+    dist.barrier()
+
+
+def check_is_last_backward_before_first_forward(rank: int, world: int) -> None:
+    """set_is_last_backward(False) before the first forward: that backward's end leaves its
+    gradient reductions pending (torch: its end does not wait for them), the next forward finishes
+    them; with micro-batches the results equal torch's."""
+    model = scripts.shard(scripts.ours(), scripts.build())
+    model.set_is_last_backward(False)
+    idx = scripts.batch(0, rank, world)
+    model(idx, idx).backward()
+    schedule = model._unit.schedule
+    assert schedule.pending_reduce_scatters, "set before the first forward, it was ignored"
+    model.set_is_last_backward(True)
+    model(idx, idx).backward()
+    assert not schedule.pending_reduce_scatters
+    results = {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        model = scripts.shard(fsdp, scripts.build())
+        model.set_is_last_backward(False)  # before the first forward, as a script may
+        opt = scripts.adamw(model)
+        for m in range(2):
+            model.set_is_last_backward(m == 1)
+            model(scripts.batch(m, rank, world), scripts.batch(m, rank, world)).backward()
+        opt.step()
+        results[fsdp.name] = [scripts.full(p.detach()).clone() for p in model.parameters()]
+    for ours, theirs in zip(results["fsdp_ext"], results["torch"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_setters_change_the_collectives_as_torchs_do(world_size):
+    run_distributed(setters_worker, world_size, timeout_s=300)
+
+
+def test_prefetch_depth_on_a_non_root_before_the_first_forward_is_its_own():
+    """Schedule-wide setters write the record the root's schedule will read: on the root before
+    the first forward, on any module after it; a non-root's own record before then is not the
+    schedule's (torch's FSDP2 keeps only its root's state context at lazy initialisation)."""
+    model = scripts.shard(scripts.ours(), scripts.build())
+    model.blocks[0].set_prefetch_depth(forward=0)
+    model.set_prefetch_depth(backward=2)
+    with pytest.raises(ValueError, match="prefetch depth must be an int >= 0"):
+        model.set_prefetch_depth(forward=-1)
+    idx = torch.randint(0, scripts.CFG.vocab_size, (2, scripts.CFG.block_size))
+    model(idx, idx).backward()
+    options = model._unit.schedule.options
+    assert (options.forward_prefetch, options.backward_prefetch) == (1, 2)
+    model.blocks[1].set_prefetch_depth(forward=0)  # after the first forward: the schedule's
+    assert options.forward_prefetch == 0 and model.blocks[0]._unit.schedule.options is options
