@@ -183,14 +183,15 @@ def test_a_sync_announced_by_on_host_sync_is_recorded_once():
 
 
 def record_worker(rank: int, world_size: int, out_dir: str) -> None:
-    """A tiny GPT's second step, recorded with the tags synchronous and off."""
+    """A tiny GPT's second step, recorded with the tags on the device (the default), synchronous
+    and off."""
     import fsdp_ext
     from fsdp_ext.diagnostics.stream_check import stream_check
     from fsdp_ext.runtime.fingerprints import CHECK_ENV
     from fsdp_ext.runtime.trace import RECORDER
     from models import GPT, GPTConfig
 
-    for mode in ("sync", "off"):
+    for mode in ("on", "sync", "off"):
         os.environ[CHECK_ENV] = mode  # read when the root's schedule is made (first forward)
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=53, block_size=8, n_layer=2, n_head=2, d_model=16))
@@ -215,7 +216,7 @@ def record_worker(rank: int, world_size: int, out_dir: str) -> None:
 
 def test_recorded_step_sync_tags_leave_compute_idler(tmp_path):
     run_distributed(record_worker, 2, str(tmp_path))
-    traces = {m: LaunchTrace.load(str(tmp_path / f"{m}.json")) for m in ("sync", "off")}
+    traces = {m: LaunchTrace.load(str(tmp_path / f"{m}.json")) for m in ("on", "sync", "off")}
     for trace in traces.values():
         launches = [r for r in trace.records if isinstance(r, Launch)]
         assert trace.recorded_world == 2
@@ -229,10 +230,14 @@ def test_recorded_step_sync_tags_leave_compute_idler(tmp_path):
         assert {r.unit for r in data} == {"", "blocks.0", "blocks.1"}
         assert any(r.phase == "optimizer" and r.per_shard for r in launches)
     costs = gp.CostModel(H100, RING_FORMULAS)  # 8 GPUs in a node
-    sync, off = (gp.summarize(gp.replay(traces[m], costs)) for m in ("sync", "off"))
+    on, sync, off = (gp.summarize(gp.replay(traces[m], costs)) for m in ("on", "sync", "off"))
     # the tags' checks wait for their events, and say where
     assert all("fingerprints.py" in r.site for r in traces["sync"].records
                if isinstance(r, HostSync))
     assert sync["host_syncs"] > 0 and sync["host_blocked_s"] > 0
     assert off["host_syncs"] == 0 and off["host_blocked_s"] == 0
     assert sync["idle_s"] > off["idle_s"]
+    # on the device: one host sync in the step, the flags' read at the end of backward
+    syncs = [r.site for r in traces["on"].records if isinstance(r, HostSync)]
+    assert len(syncs) == 1 and syncs[0].endswith("(read_flags)"), syncs
+    assert on["host_syncs"] == 1 < sync["host_syncs"]

@@ -139,12 +139,19 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
     "FSDPModule.unshard": (TESTED, "f2.unshard", ""),
     "FSDPModule.unshard(async_op)": (TESTED, "f2.unshard", ""),
     "FSDPModule.reset_iter_state": (TESTED, "f2.reset", "on the root"),
-    "FSDPModule.set_is_last_backward": (TESTED, "f2.accumulation", ""),
-    "FSDPModule.set_requires_gradient_sync": (TESTED, "f2.accumulation", ""),
+    "FSDPModule.set_is_last_backward": (TESTED, "f2.accumulation",
+                                        "honoured before the first forward too, on the root "
+                                        "(test_setter_behaviour.py)"),
+    "FSDPModule.set_requires_gradient_sync": (TESTED, "f2.accumulation",
+                                              "the collectives it removes are torch's "
+                                              "(test_setter_behaviour.py)"),
     "FSDPModule.set_requires_gradient_sync(recurse)": (TESTED, "f2.accumulation", ""),
     "FSDPModule.set_requires_all_reduce": (TESTED, "f2.replicas", ""),
     "FSDPModule.set_requires_all_reduce(recurse)": (TESTED, "f2.replicas", ""),
-    "FSDPModule.set_reshard_after_forward": (TESTED, "f2.accumulation", ""),
+    "FSDPModule.set_reshard_after_forward": (TESTED, "f2.accumulation",
+                                             "the all-gathers it removes are torch's, but for "
+                                             "the forward's last unit, which fsdp_ext never "
+                                             "regathers (test_setter_behaviour.py)"),
     "FSDPModule.set_reshard_after_forward(recurse)": (TESTED, "f2.accumulation", ""),
     "FSDPModule.set_reshard_after_backward": (TESTED, "f2.accumulation",
                                               "False keeps the unit gathered; its sharded "
