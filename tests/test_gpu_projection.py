@@ -168,18 +168,20 @@ def test_trace_round_trip_and_projection_png(tmp_path):
 
 # ---- 2. recording -------------------------------------------------------------------------------
 def test_a_sync_announced_by_on_host_sync_is_recorded_once():
+    """The model announces its own event synchronize through the host-sync counter
+    (on_host_sync), then records it: one record, with the event and the counter's call site."""
     recorder = LaunchRecorder(iteration=3)
     recorder.iteration_started(None, 3)
     stream = recorder.new_stream(torch.device("cpu"), name="all_gather")
     event = recorder.record_event(stream)
-    recorder.on_host_sync("all_gather", "event.synchronize", "caller.py:1", True)
-    recorder.synchronize(event)  # the same call, seen by the model
+    recorder.synchronize(event)
     recorder.on_host_sync(None, "device synchronize", "caller.py:2", True)
     recorder.stop()
     syncs = [r for r in recorder.records if isinstance(r, HostSync)]
-    assert syncs == [HostSync("all_gather", 1, "event.synchronize", "caller.py:1"),
-                     HostSync(None, None, "device synchronize", "caller.py:2")]
-
+    assert [(r.stream, r.event, r.kind) for r in syncs] == [
+        ("all_gather", 1, "Event.synchronize"), (None, None, "device synchronize")], syncs
+    assert syncs[0].site.startswith("tests/test_gpu_projection.py:")
+    assert syncs[0].site.endswith("(test_a_sync_announced_by_on_host_sync_is_recorded_once)")
 
 
 def record_worker(rank: int, world_size: int, out_dir: str) -> None:
