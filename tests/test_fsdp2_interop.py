@@ -87,7 +87,8 @@ def same_script_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_same_script_as_torch_fsdp2(world_size):
     run_distributed(same_script_worker, world_size)
 

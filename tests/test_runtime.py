@@ -242,6 +242,6 @@ def runtime_worker(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_runtime(world_size):
     run_distributed(runtime_worker, world_size)

@@ -111,9 +111,15 @@ def _collectives(fsdp, rank: int, world: int, setter, when: str,
     return counter.counts
 
 
+_BASELINES: dict = {}  # (framework, model) -> the counts without a setter (run once)
+
+
 def _effect(fsdp, rank, world, setter, when, build) -> dict:
     """What the setter changed: counts with it minus counts without it (non-zero entries)."""
-    base = _collectives(fsdp, rank, world, None, when, build)
+    key = (fsdp.name, build.__name__)
+    if key not in _BASELINES:
+        _BASELINES[key] = _collectives(fsdp, rank, world, None, when, build)
+    base = _BASELINES[key]
     with_it = _collectives(fsdp, rank, world, setter, when, build)
     keys = set(base) | set(with_it)
     return {k: with_it[k] - base[k] for k in sorted(keys) if with_it[k] != base[k]}
