@@ -20,7 +20,6 @@ def shared_dir(tmp_path_factory):
 
 # Order matters: world 3 loads what world 4 saved. World 2 repeats the checks at another size
 # (the safetensors export at world 2 also runs in test_checkpoint's world-2 launch).
-@pytest.mark.parametrize("world_size", [pytest.param(4, marks=pytest.mark.slow), 3,
-                                        pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [4, 3, pytest.param(2, marks=pytest.mark.slow)])
 def test_state_dicts(world_size, shared_dir):
     run_distributed(state_dict_worker, world_size, shared_dir)
