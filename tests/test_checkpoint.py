@@ -13,6 +13,7 @@ from .checkpoint_checks import resume_worker, world1_worker, world4_worker
 from .dist_utils import run_distributed
 
 
+@pytest.mark.slow  # 40-45 s; the DCP interchange tests cover resharding (2 -> 3) in the default suite
 def test_resharding_matrix(tmp_path):
     directory = str(tmp_path)
     run_distributed(world4_worker, 4, directory)
