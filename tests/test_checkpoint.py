@@ -9,6 +9,8 @@ load errors. See tests/checkpoint_checks.py.
     world 1: resume from b/step-5 (saved at world 2), 1 step
 Each resumed run's losses equal the uninterrupted run's up to float rounding.
 """
+import pytest
+
 from .checkpoint_checks import resume_worker, world1_worker, world4_worker
 from .dist_utils import run_distributed
 
