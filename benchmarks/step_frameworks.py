@@ -97,27 +97,26 @@ def _wrap_fsdp_ext_split(direct_min_numel: int):
     return wrap
 
 
-def _wrap_fsdp_ext_sync_tags(model, device, options):
-    """fsdp_ext checking each tag on the host where its data is waited for, after the first
-    forward (FSDP_EXT_CHECK=sync; on CPU ranks that is the default already)."""
-    model = _wrap_fsdp_ext(model, device, options)
+def _fsdp_ext_with_checker(**settings):
+    """fsdp_ext whose collective checker gets `settings` after the first forward (the schedule
+    and its checker exist from then on)."""
+    def wrap(model, device, options):
+        model = _wrap_fsdp_ext(model, device, options)
 
-    def host_checks(module, args, output):
-        module._unit.schedule.checker.on_device = False
-        handle.remove()
-    handle = model.register_forward_hook(host_checks)
-    return model
+        def set_after_first_forward(module, args, output):
+            for name, value in settings.items():
+                setattr(module._unit.schedule.checker, name, value)
+            handle.remove()
+        handle = model.register_forward_hook(set_after_first_forward)
+        return model
+    return wrap
 
 
-def _wrap_fsdp_ext_unchecked(model, device, options):
-    """fsdp_ext with the collective tags turned off after the first forward (what they cost)."""
-    model = _wrap_fsdp_ext(model, device, options)
-
-    def tags_off(module, args, output):
-        module._unit.schedule.checker.enabled = False
-        handle.remove()
-    handle = model.register_forward_hook(tags_off)
-    return model
+# FSDP_EXT_CHECK=sync after the first forward: each tag checked on the host where its data is
+# waited for (on CPU ranks that is the default already)
+_wrap_fsdp_ext_sync_tags = _fsdp_ext_with_checker(on_device=False)
+# the collective tags off after the first forward (what they cost)
+_wrap_fsdp_ext_unchecked = _fsdp_ext_with_checker(enabled=False)
 
 
 def _wrap_fsdp_ext_flat(model, device, options):

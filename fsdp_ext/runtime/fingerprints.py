@@ -9,22 +9,9 @@ data is waited for (`comm.Pending.wait`), the tag is checked: if any rank sent a
 skipped or reordered a unit, ran an extra micro-batch, left the loop), every rank raises
 CollectiveMismatchError, even when the two collectives had the same size and their bytes were
 silently exchanged: on CPU ranks before touching the data, on accelerators at the end of the
-step's backward, before the optimizer step ([Note: checking on the device]). Each rank then writes what it was doing to
-the process group's store and reads the others' (bounded), so the error names, for every rank, the
-collective it was at. See [Note: checking on the device]
-On CPU ranks the host compares the gathered tags where the data is waited for: that wait is the
-host's anyway. On an accelerator a host compare would block the host at every collective (a
-device-to-host copy of the tags waits for everything queued before it), so the host could never
-run more than one unit ahead of the device. There the tag is made by a fill kernel (no host
-copy), compared on the compute stream where the data is waited for (`Tag.compare`: one flag per
-exchange, no sync), and the flags of a step are copied to pinned host memory and read once, by
-`read_flags` at the end of backward (or of a forward without gradients): one bounded host sync per
-step. A mismatch then raises on every rank of the group before the optimizer step; the
-mismatched data may have fed that step's forward and backward, whose results the error discards.
-A stalled peer surfaces there too, within the collective timeout (or earlier, at a host sync of
-the user's own, such as `loss.item()`, which the process group's watchdog bounds).
-
-[Note: tags beside the data] for why the tag is a collective of its own.
+step's backward, before the optimizer step ([Note: checking on the device]). Each rank then
+writes what it was doing to the process group's store and reads the others' (bounded), so the
+error names, for every rank, the collective it was at. See [Note: tags beside the data] for why the tag is a collective of its own.
 
 Every wait is bounded (comm.collective_timeout: 300 s by default, well under the process group's
 own timeout). A daemon thread keeps a heartbeat per rank in the store (every 0.5 s: the time, and
