@@ -124,7 +124,7 @@ def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None
               "idle: host still launching (ms)", "idle: waiting for a collective (ms)",
               "exposed all-gather (ms)",
               "exposed reduce-scatter (ms)", "host run-ahead min / median (us)",
-              "compute launches with the GPU waiting", "host syncs (blocking)",
+              "compute launches with the GPU waiting", "host syncs: runtime / all (blocking)",
               "host blocked (ms)"]
     rows = []
     for name, s in summaries.items():
@@ -134,7 +134,7 @@ def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None
                      _ms(s["idle_host_s"]), _ms(s["idle_comm_s"]), _ms(ag["exposed"]), _ms(rs["exposed"]),
                      f"{_us(s['run_ahead_min_s'])} / {_us(s['run_ahead_median_s'])}",
                      f"{s['starved_launches']} of {s['compute_kernels']}",
-                     f"{s['host_syncs']} ({s['host_blocking_syncs']})", _ms(s["host_blocked_s"])])
+                     f"{s['runtime_host_syncs']} / {s['host_syncs']} ({s['host_blocking_syncs']})", _ms(s["host_blocked_s"])])
     before, after = summaries[MODES[1][1]], summaries[MODES[2][1]]
     compare = (f"Synchronous tags against no tags (PROJECTION): step {_ms(before['step_s'])} "
                f"against {_ms(after['step_s'])} ms ({before['step_s'] / after['step_s']:.2f}x), "

@@ -298,7 +298,10 @@ def summarize(p: Projection) -> dict:
         run_ahead_min_s=min(ahead, default=0.0),
         run_ahead_median_s=statistics.median(ahead) if ahead else 0.0,
         starved_launches=sum(a <= EPS for a in ahead),
-        host_syncs=p.syncs, host_blocked_s=sum(b - a for a, b, _ in p.host_waits),
+        host_syncs=p.syncs, runtime_host_syncs=sum(
+            r.runtime for r in p.trace.records
+            if isinstance(r, HostSync) or (isinstance(r, Launch) and r.sync)),
+        host_blocked_s=sum(b - a for a, b, _ in p.host_waits),
         host_blocking_syncs=len(p.host_waits),
         comm=by_kind,
         units={f"{unit}|{kind}": row for (unit, kind), row in comm.items()})

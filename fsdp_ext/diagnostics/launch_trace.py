@@ -90,6 +90,8 @@ class Launch:
     per_shard: bool = False     # size is 1/W of something: scales with the world size
     sync: str = ""              # the host waits for this op to finish: what kind of call
     site: str = ""              # for syncs: the innermost frame outside torch
+    runtime: bool = False       # for syncs: the runtime's own (a frame of fsdp_ext/runtime on
+    #                             the stack), not the model's or the script's
 
 
 @dataclass
@@ -116,6 +118,7 @@ class HostSync:
     event: int | None           # ...or, when set, for this event
     kind: str
     site: str
+    runtime: bool = False       # the runtime's own sync (as Launch.runtime)
 
 
 @dataclass
@@ -219,6 +222,19 @@ def _site() -> str:
             return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "?"
+
+
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(runtime_trace.__file__)) + os.sep
+
+
+def _in_runtime() -> bool:
+    """Whether a frame of fsdp_ext/runtime is on the stack (the runtime asked for the sync)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename).startswith(_RUNTIME_DIR):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # ---- the recorder --------------------------------------------------------------------------------
@@ -349,12 +365,13 @@ class LaunchRecorder(StreamModel):
             self.records.append(HostSync(
                 event.stream, getattr(event, "trace_id", None),
                 announced.kind if announced else "event.synchronize",
-                announced.site if announced else _site()))
+                announced.site if announced else _site(),
+                announced.runtime if announced else _in_runtime()))
 
     def on_host_sync(self, stream, kind: str, site: str, runtime: bool) -> None:
         if self.recording:
             self._flush_marks()
-            self.records.append(HostSync(stream, None, kind, site))
+            self.records.append(HostSync(stream, None, kind, site, runtime))
 
     def _announced_sync(self, stream: str) -> HostSync | None:
         """The `on_host_sync` record of `stream` issued just before (nothing else since, but
@@ -393,6 +410,7 @@ class LaunchRecorder(StreamModel):
             if record.sync:
                 announced = self._announced_sync(stream)
                 record.site = announced.site if announced else _site()
+                record.runtime = announced.runtime if announced else _in_runtime()
         if record.kernel:
             flops = matmul_flops(func, args, kwargs, result)
             if flops is not None:
