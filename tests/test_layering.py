@@ -187,3 +187,62 @@ def test_the_schedule_writes_only_its_own_state():
     # the check itself sees such writes
     assert _written_attributes("def f(unit):\n    unit.x = 1\n    unit.a.b[0] += 2\n",
                                own={"self"}) == ["2: unit.x", "3: unit.a.b[0]"]
+
+
+def _chains_written(source: str) -> list[tuple[int, list[str]]]:
+    """(line, dotted chain) of every assignment target: `self.schedule.x[0] = ...` ->
+    ['self', 'schedule', 'x']."""
+    def chain(node) -> list[str]:
+        names = []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute):
+                names.append(node.attr)
+            node = node.value
+        return ([node.id] if isinstance(node, ast.Name) else []) + names[::-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for element in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(element, (ast.Attribute, ast.Subscript)):
+                    found.append((node.lineno, chain(element)))
+    return found
+
+
+def test_units_write_no_schedule_state():
+    """...and Schedule -> Unit is one way too: the unit and the modules it drives (its buffers,
+    gathers and gradient path) ask the schedule through its methods (note_unshard,
+    note_host_read, forward_failed, ...), never write its fields."""
+    written = []
+    for name in ("unit.py", "unit_params.py", "gather.py", "grads.py", "unit_checks.py",
+                 "adopt.py"):
+        with open(os.path.join(PACKAGE_DIR, "runtime", name)) as f:
+            written += [f"{name}:{line}: {'.'.join(c)}" for line, c in _chains_written(f.read())
+                        if "schedule" in c[:-1]]
+    assert written == [], "the unit's side writes the schedule's state:\n" + "\n".join(written)
+    assert [c for _, c in _chains_written("self.schedule.in_forward = False\nx.y = 1\n")
+            if "schedule" in c[:-1]] == [["self", "schedule", "in_forward"]]
+
+
+# Where module._parameters may be written: the unit's parameter owner (its transitions), and
+# before a unit exists (the buckets' construction, meta materialisation before sharding).
+PARAMETER_WRITERS = {"runtime/unit_params.py", "runtime/param_buckets.py",
+                     "runtime/deferred_init.py"}
+
+
+def test_only_the_parameter_owner_writes_module_parameters():
+    writers = []
+    for root, _, files in os.walk(PACKAGE_DIR):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, PACKAGE_DIR)
+            with open(path) as f:
+                source = f.read()
+            writers += [f"{rel}:{line}" for line, c in _chains_written(source)
+                        if "_parameters" in c and rel not in PARAMETER_WRITERS]
+    assert writers == [], "module._parameters written outside its owner:\n" + "\n".join(writers)
+    assert [c for _, c in _chains_written("m._parameters['w'] = p\nm.w = p\n")] == [
+        ["m", "_parameters"], ["m", "w"]]  # the check sees an item write through a module

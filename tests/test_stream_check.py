@@ -32,6 +32,7 @@ from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
 from fsdp_ext.runtime import comm, fingerprints, streams
 from fsdp_ext.runtime import unit as unit_module
 from fsdp_ext.runtime.schedule import Schedule
+from fsdp_ext.runtime.unit_state import ShardedState
 
 from . import parity, stream_scenarios
 from .dist_utils import run_distributed
@@ -139,8 +140,8 @@ def test_counter_names_each_blocking_call_and_spares_pinned_non_blocking_copies(
 def _planted_sync(original):
     def wait_unshard(self):
         original(self)
-        if self.unsharded and self.full_data:
-            self.full_data[0].sum().item()  # planted: a host sync in a hook
+        if self.unsharded and self.params.fulls:
+            self.params.fulls[0].sum().item()  # planted: a host sync in a hook
     return wait_unshard
 
 
@@ -191,7 +192,7 @@ def _hold_nothing(original):
 
 def _drop_accumulator(original):
     def reduce_bucket(unit, index, grads):
-        accumulator = unit.bucket_grads[index].unsharded_accumulator
+        accumulator = unit.params.states[index].grads.unsharded_accumulator
         original(unit, index, grads)
         if accumulator is not None and unit.requires_gradient_sync:
             pending = unit.schedule.pending_reduce_scatters[-1].pending
@@ -201,10 +202,10 @@ def _drop_accumulator(original):
 
 def _drop_post_forward_chunks(original):
     def unshard(self, async_op=True):
-        regather = self.post_forward_chunks is not None
+        regather = self.params.sharded_state is ShardedState.SHARDED_POST_FORWARD
         original(self, async_op)
-        if regather and self.pending_unshard is not None:
-            self.pending_unshard.keep_alive.clear()
+        if regather and self.params.in_flight is not None:
+            self.params.in_flight.pending.keep_alive.clear()
     return unshard
 
 

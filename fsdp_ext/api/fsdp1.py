@@ -17,6 +17,7 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision
                                     StateDictSettings, StateDictType)
 
 from ..runtime.registry import unit_of, units_of
+from ..runtime.unit_state import TrainingState as UnitState
 from ..state import state_dict as _sd
 from ..state.summon import summon_full_params
 from . import default_group, fsdp1_state, options
@@ -159,7 +160,7 @@ class FullyShardedDataParallel(nn.Module):
     def training_state(self):
         from torch.distributed.fsdp._common_utils import TrainingState
         unit = self._fsdp_wrapped_module._unit
-        if unit.summoned:
+        if unit.training_state is UnitState.SUMMONED:
             return TrainingState.SUMMON_FULL_PARAMS
         schedule = unit.schedule
         if schedule is not None and (schedule.in_forward or schedule._backward_queued):

@@ -34,7 +34,7 @@ class UnshardHandle(_TorchUnshardHandle):
         if self._unit is not None:
             self._unit.wait_unshard()
             if self._unit.unsharded:
-                self._unit.use_unsharded_params()
+                self._unit.params.install_unsharded(self._unit)
             self._unit = None
 
 
@@ -99,7 +99,6 @@ class FSDPModule(_TorchFSDPModule):
     def reshard(self) -> None:
         """Free the gathered parameters and register the sharded ones (not recursive)."""
         self._unit.reshard()
-        self._unit.use_sharded_params()
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: wait for collectives in flight, drop the failed
@@ -274,7 +273,6 @@ class FSDPModule(_TorchFSDPModule):
         """nn.Module._apply (`to_empty`, `to`, ...) gives the modules new parameter tensors: the
         unit copies them into its shard (allocating it if it was on meta) and points them back."""
         self._unit.reshard()
-        self._unit.use_sharded_params()
         result = nn.Module._apply(self, *args, **kwargs)
         self._unit.adopt_params()
         return result

@@ -14,6 +14,7 @@ from ..diagnostics.optim_check import install_step_check
 from ..runtime import comm
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
+from ..runtime.list_unit import ListUnit
 from ..runtime.unit import Unit
 from ..state.hooks import install_state_dict_hooks
 from . import default_group, options
@@ -214,10 +215,11 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
     schedule_options = ScheduleOptions(
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
         limit_in_flight=limit_in_flight, collective_timeout=collective_timeout)
-    unit = Unit(members, groups, mp_policy, reshard_after_forward, schedule_options,
-                offload_policy, param_init_fn, layout=layout, mesh=mesh,
-                ignored_params={id(p) for p in ignored_params or ()},
-                check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
+    unit_class = ListUnit if len(members) > 1 else Unit
+    unit = unit_class(members, groups, mp_policy, reshard_after_forward, schedule_options,
+                      offload_policy, param_init_fn, layout=layout, mesh=mesh,
+                      ignored_params={id(p) for p in ignored_params or ()},
+                      check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
     for member in members:
         member.__dict__[UNIT_ATTR] = unit
         install_state_dict_hooks(member)

@@ -56,7 +56,7 @@ def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], 
                     for member, path in zip(unit.members, paths)
                     for n, m in member.named_modules(remove_duplicate=False)}
     sharded = unsharded = 0
-    for i, (bucket, full) in enumerate(zip(unit.buckets, unit.full)):
+    for i, (bucket, full) in enumerate(zip(unit.buckets, unit.params.fulls)):
         layout = bucket.layout
         used = sum(slot.numel for slot in bucket.slots)
         shard_bytes = bucket.shard_numel * bucket.shard.element_size()

@@ -7,16 +7,99 @@
     collective per group (an in-place all-gather)
     copy-out:  copied groups' staging unpacked into each parameter's place, one launch; staging freed
 
-The unit's unshard runs these steps on a side stream, on the CPU issue thread, or on the compute
-thread; the state code uses them to gather full parameters in their original dtype.
+`start` is the unit's one all-gather path, behind the streams seam: on CPU the copy-in and the
+collectives run on the issue thread (comm.issue_all_gather), with side streams on the all-gather
+stream (comm.Streams.launch), else on the calling thread; `InFlightGather.finish` waits and copies
+out. The state code uses the steps alone to gather full parameters in their original dtype.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import ops
 from . import comm, storage_cache
 from .bucket import Bucket
+from .offload import to_compute_device
+from .trace import profiler_range
+
+
+@dataclass(eq=False)
+class InFlightGather:
+    """One unshard from its launch to `finish()`: the collectives, and the staging buffers whose
+    copy-out waits for them (None once copied out, or when stream order copies out)."""
+
+    pending: comm.Pending
+    kind: str                                   # "all_gather", or "unshard_copy" (no group)
+    copy_out: list | None = None                # per bucket, its targets (copied out at finish)
+    buckets: list = field(default_factory=list)
+    fulls: list = field(default_factory=list)   # per bucket, the gathered buffer (.data alias)
+    name: str = ""                              # the unit's, for the profiler
+
+    def finish(self) -> None:
+        self.pending.wait()
+        targets, self.copy_out = self.copy_out, None
+        if targets is not None:
+            _copy_out_all(self.buckets, self.fulls, targets, self.name)
+
+
+def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot: int, world: int,
+          streams_: comm.Streams, *, offload: bool, label: str, name: str, tags,
+          after_event=None) -> InFlightGather:
+    """Gather every bucket into its buffer in `fulls` (filled here): this rank's shard, or its
+    post-forward `chunks`, goes into `slot`; `group` None is a local copy. `tags()` makes the
+    collectives' tags (fingerprints.py), exchanged on the collectives' own order."""
+    kind = "all_gather" if group is not None else "unshard_copy"
+    record = InFlightGather(None, kind, buckets=buckets, fulls=fulls, name=name)
+    if streams_.issue_thread:  # CPU: copy-in and broadcasts off this thread
+        targets_, sources_ = [], []
+        for i, (bucket, full) in enumerate(zip(buckets, fulls)):
+            storage_cache.fill(full)
+            targets_.append(targets(bucket, full, world))
+            sources_ += chunks[i] if chunks is not None else sources(bucket, bucket.shard)
+        record.copy_out = targets_
+        # The tag goes on `group`, issued by this thread; the data on the issue thread's own
+        # group: each group's collectives keep one order on every rank.
+        issued = [t.exchange() for t in tags() if t is not None]
+        record.pending = comm.issue_all_gather(
+            [t for ts in targets_ for t in ts], sources_, slot, comm.issue_thread_group(group),
+            label, streams_.timeout)
+        record.pending.tags = issued
+        return record
+
+    def fill_and_gather(async_op: bool) -> list:
+        """(Side streams: on the all-gather stream, allocations included.) Copy out at once when
+        the collectives are synchronous; else at `finish()`."""
+        works, targets_ = [], []
+        for i, (bucket, full) in enumerate(zip(buckets, fulls)):
+            storage_cache.fill(full)
+            if chunks is not None:
+                sources_ = chunks[i]
+            else:
+                shard = to_compute_device(bucket.shard, full.device) if offload else bucket.shard
+                sources_ = sources(bucket, shard)
+            targets_.append(targets(bucket, full, world))
+            with profiler_range("copy_in", name):
+                works += copy_in_and_gather(targets_[-1], sources_, slot, group, async_op)
+        if async_op:
+            record.copy_out = targets_
+        else:
+            _copy_out_all(buckets, fulls, targets_, name)
+        return works
+
+    # With side streams the copy-in reads the post-forward chunks (allocated by the compute
+    # stream) on the all-gather stream: they are held until it is waited for.
+    record.pending = streams_.launch(
+        "all_gather", fill_and_gather, keep_alive=[c for cs in chunks or () for c in cs],
+        label=label, after_event=after_event, tags=tags)
+    return record
+
+
+def _copy_out_all(buckets, fulls, targets_, name: str) -> None:
+    with profiler_range("copy_out", name):
+        for bucket, full, bucket_targets in zip(buckets, fulls, targets_):
+            copy_out(bucket, full, bucket_targets)
 
 
 def targets(bucket: Bucket, full: torch.Tensor, world: int) -> list[torch.Tensor]:

@@ -64,12 +64,13 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
 
 def reduce_bucket(unit, index: int, grads) -> None:
     """Handle the gradients of bucket `index` from one backward use of `unit`."""
-    bucket, state, groups = unit.buckets[index], unit.bucket_grads[index], unit.groups
+    bucket, full, groups = unit.buckets[index], unit.params.states[index].full, unit.groups
+    state = unit.params.states[index].grads
     used = [g is not None for g in grads]
     state.used = [a or b for a, b in zip(state.used, used)] if state.used else used
-    reduce_dtype = unit.mp.reduce_dtype or unit.full[index].dtype
+    reduce_dtype = unit.mp.reduce_dtype or full.dtype
     pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
-    device = unit.full[index].device
+    device = full.device
     if unit.check_finite_grads:  # off by default: no cost beyond this lookup
         state.nonfinite = finite.merge_flags(state.nonfinite, grads, device)
 
@@ -163,7 +164,7 @@ class PendingReduce:
         if self.nonfinite is not None:
             finite.raise_if_nonfinite(unit, self.index, self.nonfinite)
         if self.keep_partial:  # nothing reaches .grad yet
-            unit.bucket_grads[self.index].partial_reduce = self.partial
+            unit.params.states[self.index].grads.partial_reduce = self.partial
             self._release()
             return
         pieces, divisor = self.pieces, self.divisor

@@ -96,6 +96,7 @@ class Schedule:
 
     # ---- forward ------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
+        self.in_forward = False  # (still set if the last forward raised)
         if self._backward_queued:  # the last backward raised before its end-of-backward callback
             self.abandon_backward()
         self.drain_reduce_scatters()
@@ -117,9 +118,8 @@ class Schedule:
 
     def root_post_forward(self) -> None:
         self.in_forward = False
-        for unit in self.units:
-            if unit.members_to_run:  # a list unit some of whose members did not run
-                unit.finish_forward()
+        for unit in self.units:  # list units some of whose members did not run
+            unit.finish_forward()
         if self._recording:
             self.forward_order = list(self._recording)
             self._position = {unit: i for i, unit in enumerate(self.forward_order)}
@@ -128,8 +128,7 @@ class Schedule:
             self.sync_host_reads()  # no backward follows: the next host write may come now
             self.checker.read_flags()
         else:
-            self.kept_for_backward = [u for u in self.units
-                                      if u.unsharded or u.pending_unshard is not None]
+            self.kept_for_backward = [u for u in self.units if u.params.gathered()]
 
     def is_last_in_forward(self, unit: Unit) -> bool:
         return bool(self.forward_order) and self.forward_order[-1] is unit
@@ -200,10 +199,7 @@ class Schedule:
         for unit in self.units:
             if unit.reshard_after_backward:
                 unit.reshard()
-            # A recomputation (activation checkpointing) may stop early, before post-forward
-            # could put the parameters back.
-            unit.use_sharded_params()
-            unit.reset_backward_state()
+            unit.end_backward()
         self._backward_queued = False
         self.checker.backward_finished()
         self._report_idle_units()
@@ -265,11 +261,19 @@ class Schedule:
         """After a forward or backward that raised: wait for what is in flight, drop the failed
         step's gradients (no_sync and HSDP partial sums included), reshard every unit."""
         for unit in self.units:
-            unit.wait_unshard()
-            unit.leave_methods()
+            unit.abandon_step()
         self.in_forward = False
         self._recording = {}
         self.abandon_backward()
+
+    def forward_failed(self) -> None:
+        """A registered method of the root raised: its forward is over."""
+        self.in_forward = False
+
+    def note_host_read(self, event) -> None:
+        """CPU offload with side streams: an all-gather stream's copy of host shards, recorded by
+        `event`; sync_host_reads waits for the latest before the host may write them."""
+        self.host_read_event = event
 
     def take_post_optim_event(self):
         event, self.post_optim_event = self.post_optim_event, None
@@ -301,7 +305,7 @@ class Schedule:
         if limit is not None and explicit:
             limit = max(limit, len(units) + 1)
         for unit in units:
-            if unit.unsharded or unit.pending_unshard is not None:
+            if unit.params.gathered():
                 continue
             if limit is not None and unit.transient and self.transient_unsharded() >= limit:
                 RECORDER.add("prefetch.skipped", unit.name)

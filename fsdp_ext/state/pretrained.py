@@ -147,7 +147,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
 
     sharded = set()
     for unit in units:
-        if unit.unsharded:  # gathered copies would go stale: drop them first
+        if unit.params.gathered():  # gathered copies would go stale: drop them first
             unit.reshard()
         if unit.schedule is not None:
             unit.schedule.sync_host_reads()  # offloaded shards may be read by a side stream

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..runtime.registry import unit_of, units_of
 from ..runtime.unit import ensure_root
+from ..runtime.unit_state import TrainingState, move
 from .state_dict import gather_bucket
 
 
@@ -66,9 +67,11 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
                 if offload_to_cpu:
                     tensors = [t.cpu() for t in tensors]
                 if installs:
-                    _install(bucket, tensors, grads)
+                    _install(unit, bucket, tensors, grads)
                 gathered.append((unit, bucket, tensors, grads))
-            unit.summoned = installs
+            if installs:
+                move(unit, "training_state", TrainingState.SUMMONED, (TrainingState.IDLE,),
+                     "summon_full_params")
     try:
         yield
     finally:
@@ -77,12 +80,13 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
                 if writeback and installs:
                     _write_back(bucket, tensors, grads)
                 bucket.point_params_at_shard()
-                unit.use_sharded_params()
+                unit.params.install_sharded()
                 if grads is not None:
                     for index in range(len(bucket.slots)):
                         if grads[index] is not None:
                             bucket.publish_grad(index)
-                unit.summoned = False
+                if unit.training_state is TrainingState.SUMMONED:
+                    unit.training_state = TrainingState.IDLE
 
 
 def _gather_grads(unit, bucket) -> list[torch.Tensor | None] | None:
@@ -96,18 +100,18 @@ def _gather_grads(unit, bucket) -> list[torch.Tensor | None] | None:
     return [g if h else None for g, h in zip(full, has)]
 
 
-def _install(bucket, tensors, grads) -> None:
+def _install(unit, bucket, tensors, grads) -> None:
     for index, (slot, tensor) in enumerate(zip(bucket.slots, tensors)):
         grad = grads[index] if grads is not None else None
         if bucket.distributed:  # a DTensor parameter cannot take a full tensor's data
             param = nn.Parameter(tensor, requires_grad=slot.param.requires_grad)
             param.grad = grad
-            for module, attr in slot.locations:
-                module._parameters[attr] = param
-        else:
+            unit.params.install_full(slot, param)
+        else:  # the user's parameter object, its .data the full tensor now
             slot.param.data = tensor
             if grads is not None:
                 slot.param.grad = grad
+            unit.params.install_full(slot, slot.param)
 
 
 def _write_back(bucket, tensors, grads) -> None:

@@ -1,0 +1,199 @@
+"""The one owner of a unit's tensors: per bucket its shard (bucket.py), gathered buffer and that
+buffer's autograd alias, gradient accumulators and post-forward chunks; per unit the all-gather in
+flight (with its pending copy-out), the sharded state and what the modules' parameter attributes
+hold. Its transitions `install_unsharded` / `install_sharded` (and `install_full` for
+summon_full_params) are the only code that writes `module._parameters` after construction.
+
+The views the forward sees come from `_UnshardedViews`, an autograd function whose backward
+receives the per-parameter gradients (None for parameters the forward did not use) and hands them
+to the unit's gradient path (grads.py) instead of returning them to autograd. Freeing takes a
+buffer's storage down to zero bytes (`storage_cache.release`, like `untyped_storage().resize_(0)`),
+which keeps every view and every tensor autograd saved valid; the refill (`storage_cache.fill`)
+writes through `full_data`, an alias with its own version counter, so autograd does not mistake
+the refill for an in-place edit of the tensors it saved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import dtensor_params, gather, storage_cache, streams
+from .bucket import Bucket
+from .grads import BucketGrads
+from .param_buckets import init_sharded_state
+from .unit_state import GATHERED, Installed, ShardedState, move
+
+
+@dataclass(eq=False)
+class BucketState:
+    """What one bucket owns besides its shard (bucket.py) across a step."""
+
+    bucket: Bucket
+    full: torch.Tensor                 # the gathered buffer autograd sees (views come from it)
+    full_data: torch.Tensor            # its alias: filled, refilled and freed through this one
+    grads: BucketGrads = field(default_factory=BucketGrads)
+    chunks: list[torch.Tensor] | None = None  # reshard_after_forward=k: this rank's kept chunks
+
+
+class _UnshardedViews(torch.autograd.Function):
+    """Forward: the parameter views of the unit's trainable buckets. Backward: their gradients go
+    to the unit's gradient path; nothing flows back into the flat buffers."""
+
+    @staticmethod
+    def forward(ctx, unit, *fulls: torch.Tensor):
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)  # unused parameters arrive as None, not zeros
+        views = []
+        for index, full in zip(unit.params.grad_indices, fulls):
+            views.extend(unit.params.buckets[index].full_views(full))
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward(grads)
+        return (None,) * (1 + len(ctx.unit.params.grad_indices))
+
+
+class UnitParams:
+    def __init__(self, unit_name: str, buckets: list[Bucket], device: torch.device,
+                 param_dtype: torch.dtype | None, offload) -> None:
+        self.unit_name = unit_name       # for messages; the root renames units at lazy init
+        self.buckets = buckets
+        init_sharded_state(buckets, device, offload)
+        self.states = []
+        for bucket in buckets:
+            full = torch.empty(bucket.full_numel, dtype=param_dtype or bucket.dtype, device=device)
+            streams.free_storage(full)  # allocated when first gathered
+            full.requires_grad_(bucket.requires_grad)
+            self.states.append(BucketState(bucket, full, full.data))
+        self.grad_indices = [i for i, b in enumerate(buckets) if b.requires_grad]
+        self.sharded_state = ShardedState.SHARDED
+        self.installed = Installed.SHARDED
+        self.in_flight: gather.InFlightGather | None = None
+        self._no_grad_views: list[tuple[nn.Module, str, torch.Tensor]] | None = None
+
+    @property
+    def fulls(self) -> list[torch.Tensor]:
+        return [s.full_data for s in self.states]
+
+    def gathered(self) -> bool:
+        """Unsharded, or an all-gather into the buffers in flight."""
+        return self.sharded_state in GATHERED
+
+    def holds_unsharded_memory(self) -> bool:
+        return any(s.full_data.untyped_storage().size() > 0 for s in self.states)
+
+    # ---- sharded state -----------------------------------------------------------------------
+    def take_chunks(self) -> list[list[torch.Tensor]] | None:
+        """The post-forward chunks to regather from (SHARDED_POST_FORWARD), or None."""
+        if self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
+            return None
+        chunks = [s.chunks for s in self.states]
+        self.drop_chunks()
+        return chunks
+
+    def drop_chunks(self) -> None:
+        """Chunks kept for a backward that did not use them belong to their step only."""
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            for s in self.states:
+                s.chunks = None
+            self.sharded_state = ShardedState.SHARDED
+
+    def started_unshard(self, in_flight: gather.InFlightGather | None) -> None:
+        """An all-gather was launched (None: nothing to gather, the unit is unsharded now)."""
+        move(self, "sharded_state", ShardedState.UNSHARDING if in_flight else
+             ShardedState.UNSHARDED, (ShardedState.SHARDED,), "unshard")
+        self.in_flight = in_flight
+
+    def finish_unshard(self) -> None:
+        """Wait for the all-gather in flight (copy-out included), if any."""
+        if self.in_flight is None:
+            return
+        in_flight, self.in_flight = self.in_flight, None
+        in_flight.finish()
+        move(self, "sharded_state", ShardedState.UNSHARDED, (ShardedState.UNSHARDING,),
+             "the all-gather's wait")
+
+    def free(self, keep_chunks: tuple[int, int, int] | None) -> None:
+        """UNSHARDED -> SHARDED, releasing the buffers; `keep_chunks` (world, k, index): keep this
+        rank's 1/k chunk first (SHARDED_POST_FORWARD)."""
+        if keep_chunks is not None:
+            world, k, index = keep_chunks
+            for s in self.states:
+                s.chunks = gather.post_forward_chunks(s.bucket, s.full_data, world, k, index)
+        for s in self.states:
+            storage_cache.release(s.full_data)
+        move(self, "sharded_state", ShardedState.SHARDED_POST_FORWARD if keep_chunks else
+             ShardedState.SHARDED, (ShardedState.UNSHARDED,), "reshard")
+
+    # ---- what the modules hold ---------------------------------------------------------------
+    def install_unsharded(self, unit) -> None:
+        """Point every module attribute at a view of the gathered buffers (no copy-out); with
+        grad enabled, trainable views come from _UnshardedViews (their backward is `unit`'s)."""
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            raise AssertionError(f"unit '{self.unit_name or '<root>'}': parameters installed "
+                                 f"while {self.sharded_state.name}")
+        self.installed = Installed.UNSHARDED
+        if not torch.is_grad_enabled():
+            for module, attr, view in self.no_grad_views():
+                module._parameters[attr] = view
+            return
+        views: dict[int, torch.Tensor] = {}
+        if self.grad_indices:
+            flat_views = iter(_UnshardedViews.apply(
+                unit, *(self.states[i].full for i in self.grad_indices)))
+            for i in self.grad_indices:
+                for slot in self.buckets[i].slots:
+                    views[id(slot)] = next(flat_views)
+        for s in self.states:
+            if self.grad_indices and s.bucket.requires_grad:
+                continue
+            for slot, view in zip(s.bucket.slots, s.bucket.full_views(s.full)):
+                views[id(slot)] = view
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                _install(slot, _tp(views[id(slot)], slot))
+
+    def no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """(module, attribute, view of the gathered buffer) for every parameter, made once under
+        no_grad and kept: the buffers are refilled in their own storages, so views stay valid."""
+        if self._no_grad_views is None:
+            with torch.no_grad():
+                self._no_grad_views = [
+                    (module, attr, _tp(view, slot))
+                    for s in self.states
+                    for slot, view in zip(s.bucket.slots, s.bucket.full_views(s.full))
+                    for module, attr in slot.locations]
+        return self._no_grad_views
+
+    def install_sharded(self) -> None:
+        """The sharded parameters become the modules' attributes again (no-op if they are)."""
+        if self.installed is Installed.SHARDED:
+            return
+        self.installed = Installed.SHARDED
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                _install(slot, slot.param)
+
+    def install_full(self, slot, tensor: torch.Tensor) -> None:
+        """summon_full_params: `tensor` (a full parameter) becomes `slot`'s attribute."""
+        self.installed = Installed.FULL
+        _install(slot, tensor)
+
+    def params_replaced(self) -> None:
+        """adopt_params gave the slots new parameter objects: install them."""
+        self.installed = Installed.FULL  # (whatever the modules hold now is not ours)
+        self.install_sharded()
+        self._no_grad_views = None
+
+
+def _tp(view: torch.Tensor, slot) -> torch.Tensor:
+    """Tensor parallel: the module computes with DTensors over the gathered view."""
+    return view if slot.tp_spec is None else dtensor_params.tp_view(view, slot.tp_spec)
+
+
+def _install(slot, tensor: torch.Tensor) -> None:
+    for module, attr in slot.locations:
+        module._parameters[attr] = tensor

@@ -1,0 +1,60 @@
+"""A unit's named states and the one function that moves between them.
+
+    ShardedState   where the unit's parameters are (its buffers: unit_params.py)
+        SHARDED --unshard--> UNSHARDING --wait--> UNSHARDED --reshard--> SHARDED
+                                                            \\--reshard in forward, k > 1-->
+        SHARDED_POST_FORWARD (a 1/k chunk kept for a cheaper regather) --unshard--> UNSHARDING,
+                                                            or --drop the chunks--> SHARDED
+    TrainingState  which hook of the step the unit is in (unit.py)
+        IDLE --pre-forward--> FORWARD --post-forward--> IDLE --pre-backward--> PRE_BACKWARD
+        --post-backward--> POST_BACKWARD --end of backward--> IDLE;  IDLE <--> SUMMONED
+    Installed      what the modules' parameter attributes hold (unit_params.py writes them)
+        SHARDED: the sharded parameters; UNSHARDED: views of the gathered buffers;
+        FULL: summon_full_params' full copies
+
+Every transition names the states it may start from: a move from any other raises, naming the
+unit and both states, instead of leaving a state that a later hook misreads.
+"""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+
+class ShardedState(Enum):
+    SHARDED = auto()
+    UNSHARDING = auto()             # all-gather in flight
+    UNSHARDED = auto()
+    SHARDED_POST_FORWARD = auto()   # reshard_after_forward=k: a 1/k chunk kept for backward
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+    SUMMONED = auto()               # inside summon_full_params
+
+
+class Installed(Enum):
+    SHARDED = auto()
+    UNSHARDED = auto()
+    FULL = auto()
+
+
+GATHERED = (ShardedState.UNSHARDING, ShardedState.UNSHARDED)  # buffers hold (or get) memory
+
+
+class StateError(AssertionError):
+    """A hook found its unit in a state it cannot start from: a bug in the runtime, or a use
+    the runtime does not support (the message names both)."""
+
+
+def move(owner, attr: str, new: Enum, allowed: tuple[Enum, ...], what: str) -> None:
+    """Set `owner.<attr>` to `new` if its current value is one of `allowed`, else raise."""
+    current = getattr(owner, attr)
+    if current not in allowed:
+        raise StateError(
+            f"unit '{owner.unit_name or '<root>'}' ({owner.type_name}): {what} found {type(current).__name__}."
+            f"{current.name}, expected one of {', '.join(s.name for s in allowed)} "
+            f"(on the way to {new.name})")
+    setattr(owner, attr, new)
