@@ -9,7 +9,9 @@ taken against its own counts without it, and those differences must agree. Tags 
 checks) are not counted: the runtime's own timeline events name the data collectives.
 
 Counted: torch's foreach_all_gather / foreach_reduce calls (one per unit gather or reduction, the
-unit from the calling parameter group), fsdp_ext's all_gather.issue / reduce_scatter.issue events.
+unit from the calling parameter group) and, under HSDP, the torch.distributed.all_reduce each
+foreach_reduce issues; fsdp_ext's all_gather.issue / reduce_scatter.issue events and the
+comm.all_reduce_sum calls between a reduce_scatter.issue and its reduce_scatter.issued.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-from fsdp_ext.runtime import trace
+from fsdp_ext.runtime import comm, trace
 
 from . import fsdp2_scripts as scripts
 from .dist_utils import run_distributed
@@ -36,6 +39,7 @@ class _Counter:
         self.units = {id(m): name for name, m in model.named_modules()}
         self.counts: collections.Counter = collections.Counter()
         self.step = 0
+        self.reducing: str | None = None  # the unit whose gradient reduction is being issued
 
     def add(self, kind: str, unit: str) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
@@ -43,39 +47,67 @@ class _Counter:
 
     def install(self, framework: str):
         if framework == "torch":
-            originals = (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce)
+            originals = (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce,
+                         dist.all_reduce)
 
             def counted(fn, kind):
                 def wrapper(*args, **kwargs):
                     group = sys._getframe(1).f_locals["self"]  # the FSDPParamGroup issuing it
-                    self.add(kind, self.units[id(group.modules[0])])
-                    return fn(*args, **kwargs)
+                    unit = self.units[id(group.modules[0])]
+                    self.add(kind, unit)
+                    if kind != "reduce_scatter":
+                        return fn(*args, **kwargs)
+                    self.reducing = unit
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        self.reducing = None
                 return wrapper
+
+            def all_reduce(*args, **kwargs):  # HSDP: foreach_reduce's all-reduce over replicas
+                if self.reducing is not None:
+                    self.add("all_reduce", self.reducing)
+                return originals[2](*args, **kwargs)
             _fsdp_param_group.foreach_all_gather = counted(originals[0], "all_gather")
             _fsdp_param_group.foreach_reduce = counted(originals[1], "reduce_scatter")
+            dist.all_reduce = all_reduce
 
             def restore():
-                _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce = originals
+                (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce,
+                 dist.all_reduce) = originals
             return restore
-        original = trace.RECORDER.add
+        original, original_all_reduce = trace.RECORDER.add, comm.all_reduce_sum
 
         def add(kind: str, unit: str) -> None:
             if kind in ("all_gather.issue", "reduce_scatter.issue"):
                 self.add(kind.partition(".")[0], unit)
+            # a bucket's reduction is launched between these two events (runtime/grads.py)
+            if kind == "reduce_scatter.issue":
+                self.reducing = unit
+            elif kind == "reduce_scatter.issued":
+                self.reducing = None
             original(kind, unit)
+
+        def all_reduce_sum(*args, **kwargs):  # HSDP: the all-reduce over replicas
+            if self.reducing is not None:
+                self.add("all_reduce", self.reducing)
+            return original_all_reduce(*args, **kwargs)
         trace.RECORDER.add = add
+        comm.all_reduce_sum = all_reduce_sum
 
         def restore():
-            trace.RECORDER.add = original
+            trace.RECORDER.add, comm.all_reduce_sum = original, original_all_reduce
         return restore
+
+
+def _gpt_loss(model, step, rank, world):
+    idx = scripts.batch(step, rank, world)
+    return model(idx, idx)
 
 
 def _gpt(fsdp):
     """GPT, blocks then root sharded; (model, loss(model, step, rank, world))."""
-    def loss(model, step, rank, world):
-        idx = scripts.batch(step, rank, world)
-        return model(idx, idx)
-    return scripts.shard(fsdp, scripts.build()), loss
+    return scripts.shard(fsdp, scripts.build()), _gpt_loss
 
 
 def _embedding_unit(fsdp):
@@ -88,8 +120,20 @@ def _embedding_unit(fsdp):
     return model, lambda model, step, rank, world: model(scripts.batch(step, rank, world))
 
 
-def _collectives(fsdp, rank: int, world: int, setter, when: str,
-                 build=_gpt) -> collections.Counter:
+_HSDP_MESH: list = []  # built once per process (a mesh makes process groups on every rank)
+
+
+def _gpt_hsdp(fsdp):
+    """GPT as `_gpt`, over a (world, 1) mesh (replicate, shard): HSDP at world 2, each unit's
+    gradients reduced over its one-rank shard group, then all-reduced over the two replicas (a
+    (1, world) mesh would leave a single replica: nothing to all-reduce over)."""
+    if not _HSDP_MESH:
+        _HSDP_MESH.append(init_device_mesh("cpu", (dist.get_world_size(), 1),
+                                           mesh_dim_names=("replicate", "shard")))
+    return scripts.shard(fsdp, scripts.build(), mesh=_HSDP_MESH[0]), _gpt_loss
+
+
+def _collectives(fsdp, rank: int, world: int, setter, when: str, build=_gpt) -> _Counter:
     """The script (`build`'s model, AdamW, STEPS steps) with `setter(model)` called before the
     first forward ("before") or after the first step ("between"), or never (None)."""
     model, loss = build(fsdp)
@@ -108,19 +152,23 @@ def _collectives(fsdp, rank: int, world: int, setter, when: str,
                 setter(model)
     finally:
         restore()
-    return counter.counts
+    return counter
 
 
-_BASELINES: dict = {}  # (framework, model) -> the counts without a setter (run once)
+_BASELINES: dict = {}  # (framework, model) -> the _Counter of a run without a setter (run once)
+
+
+def _baseline(fsdp, rank, world, build) -> _Counter:
+    key = (fsdp.name, build.__name__)
+    if key not in _BASELINES:
+        _BASELINES[key] = _collectives(fsdp, rank, world, None, "before", build)
+    return _BASELINES[key]
 
 
 def _effect(fsdp, rank, world, setter, when, build) -> dict:
     """What the setter changed: counts with it minus counts without it (non-zero entries)."""
-    key = (fsdp.name, build.__name__)
-    if key not in _BASELINES:
-        _BASELINES[key] = _collectives(fsdp, rank, world, None, when, build)
-    base = _BASELINES[key]
-    with_it = _collectives(fsdp, rank, world, setter, when, build)
+    base = _baseline(fsdp, rank, world, build).counts
+    with_it = _collectives(fsdp, rank, world, setter, when, build).counts
     keys = set(base) | set(with_it)
     return {k: with_it[k] - base[k] for k in sorted(keys) if with_it[k] != base[k]}
 
@@ -141,6 +189,12 @@ SETTERS = {
     # contract: a unit whose backward does need them fails there)
     "embed.set_unshard_in_backward(False)": (lambda m: m.embed.set_unshard_in_backward(False),
                                              _embedding_unit, ()),
+    # HSDP: the reductions still reduce-scatter, none all-reduces over the replicas
+    "set_requires_all_reduce(False) (HSDP)": (lambda m: m.set_requires_all_reduce(False),
+                                              _gpt_hsdp, ()),
+    # HSDP: neither reduce-scatter nor all-reduce (torch: it "controls both")
+    "set_requires_gradient_sync(False) (HSDP)": (lambda m: m.set_requires_gradient_sync(False),
+                                                 _gpt_hsdp, ()),
 }
 
 
@@ -157,10 +211,55 @@ def check_setter(rank: int, world: int, name: str, when: str) -> None:
         f"  fsdp_ext: {effects['fsdp_ext']}")
 
 
+# ---- HSDP gradient accumulation: reduce-scatters and all-reduces per micro-batch ----------
+# Torch's documented gradient accumulation under HSDP: set_requires_gradient_sync(False) reduces
+# nothing (it "controls both reduce-scatter and all-reduce"); set_requires_all_reduce(False)
+# reduce-scatters but leaves the all-reduce to the next micro-batch that does it.
+MICRO_BATCHES = (
+    ("no sync", lambda m: m.set_requires_gradient_sync(False)),
+    ("reduce-scatter only", lambda m: (m.set_requires_gradient_sync(True),
+                                       m.set_requires_all_reduce(False))),
+    ("synchronised", lambda m: m.set_requires_all_reduce(True)),
+)
+
+
+def check_hsdp_accumulation(rank: int, world: int) -> None:
+    """Two optimizer steps of the three micro-batches above (the setters called before each, so
+    before the first forward and between steps): the reductions each issues, per (step, micro-batch,
+    kind, unit), are torch's, and so are the parameters after them."""
+    counts, params = {}, {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        model, loss = _gpt_hsdp(fsdp)
+        opt = scripts.adamw(model)
+        counter = _Counter(model)
+        restore = counter.install(fsdp.name)
+        try:
+            for step in range(2):
+                for micro, (what, setter) in enumerate(MICRO_BATCHES):
+                    setter(model)
+                    counter.step = (step, what)
+                    loss(model, 3 * step + micro, rank, world).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            restore()
+        counts[fsdp.name] = {k: v for k, v in counter.counts.items() if k[2] != "all_gather"}
+        params[fsdp.name] = scripts.full_params(model)
+    all_reduced = {k[0][1] for k in counts["torch"] if k[2] == "all_reduce"}
+    assert all_reduced == {"synchronised"}, f"torch all-reduced in {all_reduced}: vacuous"
+    assert counts["fsdp_ext"] == counts["torch"], (
+        f"rank {rank}: HSDP gradient accumulation, reductions per ((step, micro-batch), phase, "
+        f"kind, unit):\n  torch:    {sorted(counts['torch'].items())}\n"
+        f"  fsdp_ext: {sorted(counts['fsdp_ext'].items())}")
+    for name, value in params["torch"].items():
+        torch.testing.assert_close(params["fsdp_ext"][name], value, atol=1e-6, rtol=1e-5)
+
+
 def setters_worker(rank: int, world: int) -> None:
     for name in SETTERS:
         for when in ("before", "between"):
             check_setter(rank, world, name, when)
+    check_hsdp_accumulation(rank, world)
     check_is_last_backward_before_first_forward(rank, world)
     dist.barrier()
 
