@@ -12,6 +12,10 @@ Counted: torch's foreach_all_gather / foreach_reduce calls (one per unit gather 
 unit from the calling parameter group) and, under HSDP, the torch.distributed.all_reduce each
 foreach_reduce issues; fsdp_ext's all_gather.issue / reduce_scatter.issue events and the
 comm.all_reduce_sum calls between a reduce_scatter.issue and its reduce_scatter.issued.
+
+Prefetch lists change when all-gathers are issued, not how many: for them the order is compared,
+the all-gathers issued between the starts of the units' forwards (backwards), each start marked by a
+hook the test registers after the framework's own.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from torch.utils._pytree import tree_leaves
 
 from fsdp_ext.runtime import comm, trace
 
@@ -33,17 +38,43 @@ STEPS = 3
 
 
 class _Counter:
-    """(step, phase, kind, unit) of every data collective issued while installed."""
+    """(step, phase, kind, unit) of every data collective issued while installed; `log` keeps them
+    in issue order, interleaved with the units' "forward" / "backward" marks (`mark`)."""
 
     def __init__(self, model):
         self.units = {id(m): name for name, m in model.named_modules()}
         self.counts: collections.Counter = collections.Counter()
+        self.log: list[tuple[int, str, str, str]] = []
         self.step = 0
         self.reducing: str | None = None  # the unit whose gradient reduction is being issued
 
     def add(self, kind: str, unit: str) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         self.counts[(self.step, phase, kind, unit or "root")] += 1
+        self.log.append((self.step, phase, kind, unit or "root"))
+
+    def mark(self, model) -> list:
+        """Log "forward" when a unit's forward starts computing (after the framework's pre-forward
+        hook: registered after it) and "backward" when its backward does (a hook on its outputs,
+        after the framework's pre-backward hook on them). Both frameworks run their hooks in
+        registration order, so the all-gathers logged before a mark were issued by then."""
+        handles = []
+        for name, module in model.named_modules():
+            if not hasattr(module, "set_modules_to_forward_prefetch"):  # not a unit
+                continue
+            unit = name or "root"
+
+            def pre(module, args, unit=unit):
+                self.log.append((self.step, "forward", "forward", unit))
+
+            def post(module, args, output, unit=unit):
+                def backward(grad):
+                    self.log.append((self.step, "backward", "backward", unit))
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(backward)
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        return handles
 
     def install(self, framework: str):
         if framework == "torch":
@@ -139,6 +170,7 @@ def _collectives(fsdp, rank: int, world: int, setter, when: str, build=_gpt) -> 
     model, loss = build(fsdp)
     opt = scripts.adamw(model)
     counter = _Counter(model)
+    handles = counter.mark(model)
     restore = counter.install(fsdp.name)
     try:
         if setter is not None and when == "before":
@@ -152,6 +184,8 @@ def _collectives(fsdp, rank: int, world: int, setter, when: str, build=_gpt) -> 
                 setter(model)
     finally:
         restore()
+        for handle in handles:
+            handle.remove()
     return counter
 
 
@@ -211,6 +245,130 @@ def check_setter(rank: int, world: int, name: str, when: str) -> None:
         f"  fsdp_ext: {effects['fsdp_ext']}")
 
 
+# ---- explicit prefetch lists: the order of the all-gathers ---------------------------------
+def _issue_points(counter: _Counter, left_out=()) -> dict:
+    """Per (step, phase), each unit's start of forward or backward in order, with the all-gathers
+    issued since the previous one: [(unit, (units gathered, in issue order)), ...]. A unit gathered
+    ahead of its own start shows at an earlier unit: where a prefetch list moves it. Gathers of
+    `left_out` units are dropped."""
+    points: dict = {}
+    issued = collections.defaultdict(list)
+    for step, phase, kind, unit in counter.log:
+        key = (step, phase)
+        if kind == "all_gather":
+            if unit not in left_out:
+                issued[key].append(unit)
+        elif kind == phase and unit not in {u for u, _ in points.get(key, ())}:  # first start only
+            points.setdefault(key, []).append((unit, tuple(issued.pop(key, ()))))
+    for key, rest in issued.items():
+        if rest:
+            points.setdefault(key, []).append(("end", tuple(rest)))
+    return points
+
+
+def _set_prefetch_lists(model, phase: str, lists: dict) -> None:
+    modules = {name or "root": m for name, m in model.named_modules()}
+    for unit, listed in lists.items():
+        setter = getattr(modules[unit], f"set_modules_to_{phase}_prefetch")
+        setter([modules[name] for name in listed])
+
+
+# name: (phase, {unit: the units it lists}, units left out of the comparison). Every unit of the
+# phase gets a list: explicit lists replace each framework's own prefetching (torch: none in
+# forward, the previous unit in reverse forward order in backward; fsdp_ext: its prefetch depth), so
+# the whole order is the lists', the same in both; each gives an order neither framework has
+# without lists. An empty forward list prefetches nothing in both; in backward torch treats an
+# empty list as none given (its default prefetch runs), so a backward list
+# that should prefetch nothing names the root, gathered from forward to the end of backward in both
+# (no all-gather). blocks.1 is left out of the backward ones: fsdp_ext keeps the last unit of the
+# forward gathered for its backward, where torch frees and regathers it.
+PREFETCH = {
+    "forward: root lists blocks.0 and blocks.1": (
+        "forward", {"root": ["blocks.0", "blocks.1"], "blocks.0": [], "blocks.1": []}, ()),
+    "forward: root lists blocks.1 only": (
+        "forward", {"root": ["blocks.1"], "blocks.0": [], "blocks.1": []}, ()),
+    "backward: root lists blocks.1 and blocks.0": (
+        "backward", {"root": ["blocks.1", "blocks.0"], "blocks.1": ["root"], "blocks.0": ["root"]},
+        ("blocks.1",)),
+    "backward: root lists blocks.0 only": (
+        "backward", {"root": ["blocks.0"], "blocks.1": ["root"], "blocks.0": ["root"]},
+        ("blocks.1",)),
+}
+
+
+def _steps_with_setter(when: str) -> range:
+    return range(STEPS) if when == "before" else range(1, STEPS)
+
+
+def _prefetch_orders(rank: int, world: int, scenario, when: str) -> tuple[dict, dict]:
+    """Per framework, the scenario's phase per step with its lists set (`when`), and without lists:
+    {step: [(unit start, all-gathers issued since the previous start)]}."""
+    phase, lists, left_out = scenario
+    patterns, baselines = {}, {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        counter = _collectives(fsdp, rank, world,
+                               lambda m: _set_prefetch_lists(m, phase, lists), when)
+        points = _issue_points(counter, left_out)
+        base = _issue_points(_baseline(fsdp, rank, world, _gpt), left_out)
+        patterns[fsdp.name] = {s: points.get((s, phase)) for s in _steps_with_setter(when)}
+        baselines[fsdp.name] = {s: base.get((s, phase)) for s in _steps_with_setter(when)}
+    return patterns, baselines
+
+
+def _same_order(rank: int, name: str, when: str, phase: str, patterns: dict) -> None:
+    assert patterns["fsdp_ext"] == patterns["torch"], (
+        f"rank {rank}: {name}, set {when} the first forward: the {phase} order of all-gathers "
+        f"differs, per step [(unit start, all-gathers issued since the previous start)]:\n"
+        f"  torch:    {patterns['torch']}\n  fsdp_ext: {patterns['fsdp_ext']}")
+
+
+def check_prefetch_lists(rank: int, world: int, name: str, when: str) -> None:
+    """With the lists, in both frameworks: every listed unit's all-gather is issued by the time the
+    unit listing it starts (forward or backward), and the order of all-gathers and unit starts is
+    torch's. Not vacuous: without lists, neither framework issues them so."""
+    phase, lists, left_out = PREFETCH[name]
+    patterns, baselines = _prefetch_orders(rank, world, PREFETCH[name], when)
+    for framework, orders in patterns.items():
+        for step, order in orders.items():
+            starts = [unit for unit, _ in order]
+            where = {g: starts.index(unit) for unit, gathered in order for g in gathered}
+            for unit, listed in lists.items():
+                for target in (t for t in listed if t not in left_out and t != "root"):
+                    assert where.get(target, len(starts)) <= starts.index(unit), (
+                        f"rank {rank}: {framework}, {name}, set {when} the first forward: step "
+                        f"{step}'s {phase} all-gather of {target} is not issued by the time "
+                        f"{unit} starts: (unit start, all-gathers issued since the previous "
+                        f"start) {order}")
+    for framework, base in baselines.items():
+        assert base != patterns["torch"], (
+            f"{name}: {framework} without lists already issues torch's order: vacuous")
+    _same_order(rank, name, when, phase, patterns)
+
+
+def check_prefetch_depth(rank: int, world: int, when: str) -> None:
+    """fsdp_ext's set_prefetch_depth (torch's FSDP2 has none), as documented (runtime/schedule.py):
+    from the second step on, forward issues the next `forward` units' all-gathers before the current
+    unit computes, backward those of the previous `backward` ones. Depth 2 forward, 0 backward on
+    this model: the root gathers both blocks, and each block gathers itself in backward (blocks.1
+    left out: kept gathered from its forward)."""
+    counter = _collectives(scripts.ours(), rank, world,
+                           lambda m: m.set_prefetch_depth(forward=2, backward=0), when)
+    points = {**_issue_points(counter), **{
+        key: order for key, order in _issue_points(counter, ("blocks.1",)).items()
+        if key[1] == "backward"}}
+    expected = {
+        "forward": [("root", ("root", "blocks.0", "blocks.1")), ("blocks.0", ()), ("blocks.1", ())],
+        "backward": [("root", ()), ("blocks.1", ()), ("blocks.0", ("blocks.0",))]}
+    for step in _steps_with_setter(when):
+        if step == 0:  # no forward order yet: no forward prefetch by depth
+            continue
+        for phase, order in expected.items():
+            assert points.get((step, phase)) == order, (
+                f"rank {rank}: set_prefetch_depth(forward=2, backward=0) set {when} the first "
+                f"forward: step {step}'s {phase} is {points.get((step, phase))}, documented "
+                f"{order}")
+
+
 # ---- HSDP gradient accumulation: reduce-scatters and all-reduces per micro-batch ----------
 # Torch's documented gradient accumulation under HSDP: set_requires_gradient_sync(False) reduces
 # nothing (it "controls both reduce-scatter and all-reduce"); set_requires_all_reduce(False)
@@ -259,6 +417,10 @@ def setters_worker(rank: int, world: int) -> None:
     for name in SETTERS:
         for when in ("before", "between"):
             check_setter(rank, world, name, when)
+    for when in ("before", "between"):
+        for name in PREFETCH:
+            check_prefetch_lists(rank, world, name, when)
+        check_prefetch_depth(rank, world, when)
     check_hsdp_accumulation(rank, world)
     check_is_last_backward_before_first_forward(rank, world)
     dist.barrier()
