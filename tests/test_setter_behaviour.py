@@ -9,19 +9,28 @@ taken against its own counts without it, and those differences must agree. Tags 
 checks) are not counted: the runtime's own timeline events name the data collectives.
 
 Counted: torch's foreach_all_gather / foreach_reduce calls (one per unit gather or reduction, the
-unit from the calling parameter group), fsdp_ext's all_gather.issue / reduce_scatter.issue events.
+unit from the calling parameter group) and, under HSDP, the torch.distributed.all_reduce each
+foreach_reduce issues; fsdp_ext's all_gather.issue / reduce_scatter.issue events and the
+comm.all_reduce_sum calls between a reduce_scatter.issue and its reduce_scatter.issued.
+
+Prefetch lists change when all-gathers are issued, not how many: for them the order is compared,
+the all-gathers issued between the starts of the units' forwards (backwards), each start marked by a
+hook the test registers after the framework's own.
 """
 from __future__ import annotations
 
 import collections
+import json
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from torch.utils._pytree import tree_leaves
 
-from fsdp_ext.runtime import trace
+from fsdp_ext.runtime import comm, trace
 
 from . import fsdp2_scripts as scripts
 from .dist_utils import run_distributed
@@ -30,52 +39,107 @@ STEPS = 3
 
 
 class _Counter:
-    """(step, phase, kind, unit) of every data collective issued while installed."""
+    """(step, phase, kind, unit) of every data collective issued while installed; `log` keeps them
+    in issue order, interleaved with the units' "forward" / "backward" marks (`mark`)."""
 
     def __init__(self, model):
         self.units = {id(m): name for name, m in model.named_modules()}
         self.counts: collections.Counter = collections.Counter()
+        self.log: list[tuple[int, str, str, str]] = []
         self.step = 0
+        self.reducing: str | None = None  # the unit whose gradient reduction is being issued
 
     def add(self, kind: str, unit: str) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         self.counts[(self.step, phase, kind, unit or "root")] += 1
+        self.log.append((self.step, phase, kind, unit or "root"))
+
+    def mark(self, model) -> list:
+        """Log "forward" when a unit's forward starts computing (after the framework's pre-forward
+        hook: registered after it) and "backward" when its backward does (a hook on its outputs,
+        after the framework's pre-backward hook on them). Both frameworks run their hooks in
+        registration order, so the all-gathers logged before a mark were issued by then."""
+        handles = []
+        for name, module in model.named_modules():
+            if not hasattr(module, "set_modules_to_forward_prefetch"):  # not a unit
+                continue
+            unit = name or "root"
+
+            def pre(module, args, unit=unit):
+                self.log.append((self.step, "forward", "forward", unit))
+
+            def post(module, args, output, unit=unit):
+                def backward(grad):
+                    self.log.append((self.step, "backward", "backward", unit))
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(backward)
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        return handles
 
     def install(self, framework: str):
         if framework == "torch":
-            originals = (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce)
+            originals = (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce,
+                         dist.all_reduce)
 
             def counted(fn, kind):
                 def wrapper(*args, **kwargs):
                     group = sys._getframe(1).f_locals["self"]  # the FSDPParamGroup issuing it
-                    self.add(kind, self.units[id(group.modules[0])])
-                    return fn(*args, **kwargs)
+                    unit = self.units[id(group.modules[0])]
+                    self.add(kind, unit)
+                    if kind != "reduce_scatter":
+                        return fn(*args, **kwargs)
+                    self.reducing = unit
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        self.reducing = None
                 return wrapper
+
+            def all_reduce(*args, **kwargs):  # HSDP: foreach_reduce's all-reduce over replicas
+                if self.reducing is not None:
+                    self.add("all_reduce", self.reducing)
+                return originals[2](*args, **kwargs)
             _fsdp_param_group.foreach_all_gather = counted(originals[0], "all_gather")
             _fsdp_param_group.foreach_reduce = counted(originals[1], "reduce_scatter")
+            dist.all_reduce = all_reduce
 
             def restore():
-                _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce = originals
+                (_fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce,
+                 dist.all_reduce) = originals
             return restore
-        original = trace.RECORDER.add
+        original, original_all_reduce = trace.RECORDER.add, comm.all_reduce_sum
 
         def add(kind: str, unit: str) -> None:
             if kind in ("all_gather.issue", "reduce_scatter.issue"):
                 self.add(kind.partition(".")[0], unit)
+            # a bucket's reduction is launched between these two events (runtime/grads.py)
+            if kind == "reduce_scatter.issue":
+                self.reducing = unit
+            elif kind == "reduce_scatter.issued":
+                self.reducing = None
             original(kind, unit)
+
+        def all_reduce_sum(*args, **kwargs):  # HSDP: the all-reduce over replicas
+            if self.reducing is not None:
+                self.add("all_reduce", self.reducing)
+            return original_all_reduce(*args, **kwargs)
         trace.RECORDER.add = add
+        comm.all_reduce_sum = all_reduce_sum
 
         def restore():
-            trace.RECORDER.add = original
+            trace.RECORDER.add, comm.all_reduce_sum = original, original_all_reduce
         return restore
+
+
+def _gpt_loss(model, step, rank, world):
+    idx = scripts.batch(step, rank, world)
+    return model(idx, idx)
 
 
 def _gpt(fsdp):
     """GPT, blocks then root sharded; (model, loss(model, step, rank, world))."""
-    def loss(model, step, rank, world):
-        idx = scripts.batch(step, rank, world)
-        return model(idx, idx)
-    return scripts.shard(fsdp, scripts.build()), loss
+    return scripts.shard(fsdp, scripts.build()), _gpt_loss
 
 
 def _embedding_unit(fsdp):
@@ -88,13 +152,26 @@ def _embedding_unit(fsdp):
     return model, lambda model, step, rank, world: model(scripts.batch(step, rank, world))
 
 
-def _collectives(fsdp, rank: int, world: int, setter, when: str,
-                 build=_gpt) -> collections.Counter:
+_HSDP_MESH: list = []  # built once per process (a mesh makes process groups on every rank)
+
+
+def _gpt_hsdp(fsdp):
+    """GPT as `_gpt`, over a (world, 1) mesh (replicate, shard): HSDP at world 2, each unit's
+    gradients reduced over its one-rank shard group, then all-reduced over the two replicas (a
+    (1, world) mesh would leave a single replica: nothing to all-reduce over)."""
+    if not _HSDP_MESH:
+        _HSDP_MESH.append(init_device_mesh("cpu", (dist.get_world_size(), 1),
+                                           mesh_dim_names=("replicate", "shard")))
+    return scripts.shard(fsdp, scripts.build(), mesh=_HSDP_MESH[0]), _gpt_loss
+
+
+def _collectives(fsdp, rank: int, world: int, setter, when: str, build=_gpt) -> _Counter:
     """The script (`build`'s model, AdamW, STEPS steps) with `setter(model)` called before the
     first forward ("before") or after the first step ("between"), or never (None)."""
     model, loss = build(fsdp)
     opt = scripts.adamw(model)
     counter = _Counter(model)
+    handles = counter.mark(model)
     restore = counter.install(fsdp.name)
     try:
         if setter is not None and when == "before":
@@ -108,19 +185,25 @@ def _collectives(fsdp, rank: int, world: int, setter, when: str,
                 setter(model)
     finally:
         restore()
-    return counter.counts
+        for handle in handles:
+            handle.remove()
+    return counter
 
 
-_BASELINES: dict = {}  # (framework, model) -> the counts without a setter (run once)
+_BASELINES: dict = {}  # (framework, model) -> the _Counter of a run without a setter (run once)
+
+
+def _baseline(fsdp, rank, world, build) -> _Counter:
+    key = (fsdp.name, build.__name__)
+    if key not in _BASELINES:
+        _BASELINES[key] = _collectives(fsdp, rank, world, None, "before", build)
+    return _BASELINES[key]
 
 
 def _effect(fsdp, rank, world, setter, when, build) -> dict:
     """What the setter changed: counts with it minus counts without it (non-zero entries)."""
-    key = (fsdp.name, build.__name__)
-    if key not in _BASELINES:
-        _BASELINES[key] = _collectives(fsdp, rank, world, None, when, build)
-    base = _BASELINES[key]
-    with_it = _collectives(fsdp, rank, world, setter, when, build)
+    base = _baseline(fsdp, rank, world, build).counts
+    with_it = _collectives(fsdp, rank, world, setter, when, build).counts
     keys = set(base) | set(with_it)
     return {k: with_it[k] - base[k] for k in sorted(keys) if with_it[k] != base[k]}
 
@@ -141,6 +224,12 @@ SETTERS = {
     # contract: a unit whose backward does need them fails there)
     "embed.set_unshard_in_backward(False)": (lambda m: m.embed.set_unshard_in_backward(False),
                                              _embedding_unit, ()),
+    # HSDP: the reductions still reduce-scatter, none all-reduces over the replicas
+    "set_requires_all_reduce(False) (HSDP)": (lambda m: m.set_requires_all_reduce(False),
+                                              _gpt_hsdp, ()),
+    # HSDP: neither reduce-scatter nor all-reduce (torch: it "controls both")
+    "set_requires_gradient_sync(False) (HSDP)": (lambda m: m.set_requires_gradient_sync(False),
+                                                 _gpt_hsdp, ()),
 }
 
 
@@ -157,11 +246,224 @@ def check_setter(rank: int, world: int, name: str, when: str) -> None:
         f"  fsdp_ext: {effects['fsdp_ext']}")
 
 
-def setters_worker(rank: int, world: int) -> None:
+# ---- explicit prefetch lists: the order of the all-gathers ---------------------------------
+def _issue_points(counter: _Counter, left_out=()) -> dict:
+    """Per (step, phase), each unit's start of forward or backward in order, with the all-gathers
+    issued since the previous one: [(unit, (units gathered, in issue order)), ...]. A unit gathered
+    ahead of its own start shows at an earlier unit: where a prefetch list moves it. Gathers of
+    `left_out` units are dropped."""
+    points: dict = {}
+    issued = collections.defaultdict(list)
+    for step, phase, kind, unit in counter.log:
+        key = (step, phase)
+        if kind == "all_gather":
+            if unit not in left_out:
+                issued[key].append(unit)
+        elif kind == phase and unit not in {u for u, _ in points.get(key, ())}:  # first start only
+            points.setdefault(key, []).append((unit, tuple(issued.pop(key, ()))))
+    for key, rest in issued.items():
+        if rest:
+            points.setdefault(key, []).append(("end", tuple(rest)))
+    return points
+
+
+def _set_prefetch_lists(model, phase: str, lists: dict) -> None:
+    modules = {name or "root": m for name, m in model.named_modules()}
+    for unit, listed in lists.items():
+        setter = getattr(modules[unit], f"set_modules_to_{phase}_prefetch")
+        setter([modules[name] for name in listed])
+
+
+# name: (phase, {unit: the units it lists}, units left out of the comparison). Every unit of the
+# phase gets a list: explicit lists replace each framework's own prefetching (torch: none in
+# forward, the previous unit in reverse forward order in backward; fsdp_ext: its prefetch depth), so
+# the whole order is the lists', the same in both; each gives an order neither framework has
+# without lists. An empty forward list prefetches nothing in both; in backward torch treats an
+# empty list as none given (its default prefetch runs: EMPTY_BACKWARD_LISTS), so a backward list
+# that should prefetch nothing names the root, gathered from forward to the end of backward in both
+# (no all-gather). blocks.1 is left out of the backward ones: fsdp_ext keeps the last unit of the
+# forward gathered for its backward, where torch frees and regathers it.
+PREFETCH = {
+    "forward: root lists blocks.0 and blocks.1": (
+        "forward", {"root": ["blocks.0", "blocks.1"], "blocks.0": [], "blocks.1": []}, ()),
+    "forward: root lists blocks.1 only": (
+        "forward", {"root": ["blocks.1"], "blocks.0": [], "blocks.1": []}, ()),
+    "backward: root lists blocks.1 and blocks.0": (
+        "backward", {"root": ["blocks.1", "blocks.0"], "blocks.1": ["root"], "blocks.0": ["root"]},
+        ("blocks.1",)),
+    "backward: root lists blocks.0 only": (
+        "backward", {"root": ["blocks.0"], "blocks.1": ["root"], "blocks.0": ["root"]},
+        ("blocks.1",)),
+}
+# torch's FSDPState._pre_backward: `default_prefetch = len(self._states_to_backward_prefetch) == 0`
+EMPTY_BACKWARD_LISTS = ("backward", {"root": [], "blocks.1": [], "blocks.0": []}, ("blocks.1",))
+
+
+def _steps_with_setter(when: str) -> range:
+    return range(STEPS) if when == "before" else range(1, STEPS)
+
+
+def _prefetch_orders(rank: int, world: int, scenario, when: str) -> tuple[dict, dict]:
+    """Per framework, the scenario's phase per step with its lists set (`when`), and without lists:
+    {step: [(unit start, all-gathers issued since the previous start)]}."""
+    phase, lists, left_out = scenario
+    patterns, baselines = {}, {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        counter = _collectives(fsdp, rank, world,
+                               lambda m: _set_prefetch_lists(m, phase, lists), when)
+        points = _issue_points(counter, left_out)
+        base = _issue_points(_baseline(fsdp, rank, world, _gpt), left_out)
+        patterns[fsdp.name] = {s: points.get((s, phase)) for s in _steps_with_setter(when)}
+        baselines[fsdp.name] = {s: base.get((s, phase)) for s in _steps_with_setter(when)}
+    return patterns, baselines
+
+
+def _same_order(rank: int, name: str, when: str, phase: str, patterns: dict) -> None:
+    assert patterns["fsdp_ext"] == patterns["torch"], (
+        f"rank {rank}: {name}, set {when} the first forward: the {phase} order of all-gathers "
+        f"differs, per step [(unit start, all-gathers issued since the previous start)]:\n"
+        f"  torch:    {patterns['torch']}\n  fsdp_ext: {patterns['fsdp_ext']}")
+
+
+def check_prefetch_lists(rank: int, world: int, name: str, when: str) -> None:
+    """With the lists, in both frameworks: every listed unit's all-gather is issued by the time the
+    unit listing it starts (forward or backward), and the order of all-gathers and unit starts is
+    torch's. Not vacuous: without lists, neither framework issues them so."""
+    phase, lists, left_out = PREFETCH[name]
+    patterns, baselines = _prefetch_orders(rank, world, PREFETCH[name], when)
+    for framework, orders in patterns.items():
+        for step, order in orders.items():
+            starts = [unit for unit, _ in order]
+            where = {g: starts.index(unit) for unit, gathered in order for g in gathered}
+            for unit, listed in lists.items():
+                for target in (t for t in listed if t not in left_out and t != "root"):
+                    assert where.get(target, len(starts)) <= starts.index(unit), (
+                        f"rank {rank}: {framework}, {name}, set {when} the first forward: step "
+                        f"{step}'s {phase} all-gather of {target} is not issued by the time "
+                        f"{unit} starts: (unit start, all-gathers issued since the previous "
+                        f"start) {order}")
+    for framework, base in baselines.items():
+        assert base != patterns["torch"], (
+            f"{name}: {framework} without lists already issues torch's order: vacuous")
+    _same_order(rank, name, when, phase, patterns)
+
+
+def check_empty_backward_prefetch_lists(rank: int, world: int, when: str) -> None:
+    """set_modules_to_backward_prefetch([]) on every unit: torch runs its default backward prefetch
+    (each unit's pre-backward gathers the previous unit in reverse forward order), as with no list;
+    fsdp_ext's should give the same order."""
+    patterns, baselines = _prefetch_orders(rank, world, EMPTY_BACKWARD_LISTS, when)
+    assert patterns["torch"] == baselines["torch"], "torch: an empty list is no longer its default"
+    _same_order(rank, "every unit's backward prefetch list empty", when, "backward", patterns)
+
+
+def check_prefetch_depth(rank: int, world: int, when: str) -> None:
+    """fsdp_ext's set_prefetch_depth (torch's FSDP2 has none), as documented (runtime/schedule.py):
+    from the second step on, forward issues the next `forward` units' all-gathers before the current
+    unit computes, backward those of the previous `backward` ones. Depth 2 forward, 0 backward on
+    this model: the root gathers both blocks, and each block gathers itself in backward (blocks.1
+    left out: kept gathered from its forward)."""
+    counter = _collectives(scripts.ours(), rank, world,
+                           lambda m: m.set_prefetch_depth(forward=2, backward=0), when)
+    points = {**_issue_points(counter), **{
+        key: order for key, order in _issue_points(counter, ("blocks.1",)).items()
+        if key[1] == "backward"}}
+    expected = {
+        "forward": [("root", ("root", "blocks.0", "blocks.1")), ("blocks.0", ()), ("blocks.1", ())],
+        "backward": [("root", ()), ("blocks.1", ()), ("blocks.0", ("blocks.0",))]}
+    for step in _steps_with_setter(when):
+        if step == 0:  # no forward order yet: no forward prefetch by depth
+            continue
+        for phase, order in expected.items():
+            assert points.get((step, phase)) == order, (
+                f"rank {rank}: set_prefetch_depth(forward=2, backward=0) set {when} the first "
+                f"forward: step {step}'s {phase} is {points.get((step, phase))}, documented "
+                f"{order}")
+
+
+# ---- HSDP gradient accumulation: reduce-scatters and all-reduces per micro-batch ----------
+# Torch's documented gradient accumulation under HSDP: set_requires_gradient_sync(False) reduces
+# nothing (it "controls both reduce-scatter and all-reduce"); set_requires_all_reduce(False)
+# reduce-scatters but leaves the all-reduce to the next micro-batch that does it.
+MICRO_BATCHES = (
+    ("no sync", lambda m: m.set_requires_gradient_sync(False)),
+    ("reduce-scatter only", lambda m: (m.set_requires_gradient_sync(True),
+                                       m.set_requires_all_reduce(False))),
+    ("synchronised", lambda m: m.set_requires_all_reduce(True)),
+)
+
+
+def check_hsdp_accumulation(rank: int, world: int) -> None:
+    """Two optimizer steps of the three micro-batches above (the setters called before each, so
+    before the first forward and between steps): the reductions each issues, per (step, micro-batch,
+    kind, unit), are torch's, and so are the parameters after them."""
+    counts, params = {}, {}
+    for fsdp in (scripts.torch_fsdp(), scripts.ours()):
+        model, loss = _gpt_hsdp(fsdp)
+        opt = scripts.adamw(model)
+        counter = _Counter(model)
+        restore = counter.install(fsdp.name)
+        try:
+            for step in range(2):
+                for micro, (what, setter) in enumerate(MICRO_BATCHES):
+                    setter(model)
+                    counter.step = (step, what)
+                    loss(model, 3 * step + micro, rank, world).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            restore()
+        counts[fsdp.name] = {k: v for k, v in counter.counts.items() if k[2] != "all_gather"}
+        params[fsdp.name] = scripts.full_params(model)
+    all_reduced = {k[0][1] for k in counts["torch"] if k[2] == "all_reduce"}
+    assert all_reduced == {"synchronised"}, f"torch all-reduced in {all_reduced}: vacuous"
+    assert counts["fsdp_ext"] == counts["torch"], (
+        f"rank {rank}: HSDP gradient accumulation, reductions per ((step, micro-batch), phase, "
+        f"kind, unit):\n  torch:    {sorted(counts['torch'].items())}\n"
+        f"  fsdp_ext: {sorted(counts['fsdp_ext'].items())}")
+    for name, value in params["torch"].items():
+        torch.testing.assert_close(params["fsdp_ext"][name], value, atol=1e-6, rtol=1e-5)
+
+
+# Checks that fail on a known difference from torch, each an xfail test below: the shared worker
+# runs them and records their failure instead of raising it (no process group of their own).
+KNOWN_DIFFERENCES = {
+    "empty backward prefetch lists": check_empty_backward_prefetch_lists,
+}
+
+
+def _known_difference(rank: int, world: int, check) -> str:
+    """`check(rank, world, when)` set before the first forward, then between steps: its first
+    failure's message, "" if it held. The ranks agree after each (each asserts on what it saw, and
+    one that went on alone would wait for the other in the next collective)."""
+    for when in ("before", "between"):
+        try:
+            check(rank, world, when)
+            message = ""
+        except AssertionError as exc:
+            message = str(exc)
+        failed = torch.tensor([int(bool(message))])
+        dist.all_reduce(failed)
+        if failed.item():
+            return message or f"rank {rank}: held here, failed on another rank"
+    return ""
+
+
+def setters_worker(rank: int, world: int, known_differences_path: str) -> None:
     for name in SETTERS:
         for when in ("before", "between"):
             check_setter(rank, world, name, when)
+    for when in ("before", "between"):
+        for name in PREFETCH:
+            check_prefetch_lists(rank, world, name, when)
+        check_prefetch_depth(rank, world, when)
+    check_hsdp_accumulation(rank, world)
     check_is_last_backward_before_first_forward(rank, world)
+    outcomes = {name: _known_difference(rank, world, check)
+                for name, check in KNOWN_DIFFERENCES.items()}
+    if rank == 0:
+        with open(known_differences_path, "w") as f:
+            json.dump(outcomes, f)
     dist.barrier()
 
 
@@ -192,9 +494,34 @@ def check_is_last_backward_before_first_forward(rank: int, world: int) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_setters_change_the_collectives_as_torchs_do(world_size):
-    run_distributed(setters_worker, world_size, timeout_s=300)
+@pytest.fixture(scope="module")
+def setters_run(tmp_path_factory):
+    """The one world-2 run of every distributed case here: (the error it raised, or None;
+    {KNOWN_DIFFERENCES name: its failure message, "" if it held})."""
+    path = tmp_path_factory.mktemp("setters") / "known_differences.json"
+    try:
+        run_distributed(setters_worker, 2, str(path), timeout_s=300)
+    except Exception as exc:  # raised by the test that owns those checks
+        return exc, {}
+    return None, json.loads(path.read_text())
+
+
+def test_setters_change_the_collectives_as_torchs_do(setters_run):
+    error, _ = setters_run
+    if error is not None:
+        raise error
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fsdp_ext treats set_modules_to_backward_prefetch([]) as 'prefetch nothing' (an explicit "
+    "empty list replaces its depth prefetch); torch's FSDP2 treats an empty list as no list and "
+    "runs its default backward prefetch: blocks.0's backward all-gather is issued at blocks.1's "
+    "pre-backward in torch, at blocks.0's own in fsdp_ext"))
+def test_empty_backward_prefetch_list_keeps_torchs_default_prefetch(setters_run):
+    error, outcomes = setters_run
+    assert error is None, "the shared run failed (test_setters_change_the_collectives_as_torchs_do)"
+    message = outcomes["empty backward prefetch lists"]
+    assert not message, message
 
 
 def test_prefetch_depth_on_a_non_root_before_the_first_forward_is_its_own():
