@@ -93,7 +93,7 @@ train-smoke: build
 		--profile --out-dir out/smoke
 
 bench: build
-	$(VPY) benchmarks/bench_kernels.py
+	$(VPY) -m benchmarks.kernels.bench_kernels
 
 clean:
 	rm -rf build *.egg-info fsdp_ext/_C*.so

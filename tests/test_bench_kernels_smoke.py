@@ -1,5 +1,5 @@
 """The kernel benchmark runs end to end (--quick, torch backend) and writes the rows it promises."""
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -16,7 +16,7 @@ def test_quick_benchmark_writes_expected_rows(tmp_path):
     # A subprocess, as users run it; the env keeps a stray TRITON_INTERPRET from leaking in.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--quick",
+        [sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--quick",
          "--backends", "torch", "--threads", "1", "--repeats", "2", "--warmup", "1",
          "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -44,11 +44,7 @@ def test_quick_benchmark_writes_expected_rows(tmp_path):
 
 def test_merge_combines_runs(tmp_path):
     """--merge joins runs (e.g. one per thread count) without re-running anything."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", os.path.join(ROOT, "benchmarks", "bench_kernels.py"))
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclass looks itself up there
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("benchmarks.kernels.bench_kernels")
     rows = [dict(threads=t, unit="small_1000", case="pack fp32->fp32", impl="cpp", kind="fsdp_ext",
                  median_ms=1.0, gbps=1.0, vs_copy=0.5, speedup_vs_foreach=2.5) for t in (1, 2)]
     paths = []

@@ -12,8 +12,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.MODULE ARGS` from the top of the checkout, as the docs run it."""
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -21,7 +22,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_overlap_benchmark_writes_every_column(tmp_path):
-    _run("bench_overlap.py", "--kinds", "sleep", "--sizes", "64", "--matmuls", "1",
+    _run("overlap.bench_overlap", "--kinds", "sleep", "--sizes", "64", "--matmuls", "1",
          "--sleep-ms", "0.5", "--units", "3", "--reps", "1", "--out", str(tmp_path))
     report = json.loads((tmp_path / "overlap.json").read_text())
     (row,) = report["rows"]
@@ -39,7 +40,7 @@ def test_overlap_benchmark_writes_every_column(tmp_path):
 
 @pytest.mark.slow
 def test_host_overhead_benchmark_times_every_framework(tmp_path):
-    result = _run("host_overhead.py", "--units", "4", "--reps", "1", "--out", str(tmp_path))
+    result = _run("host.host_overhead", "--units", "4", "--reps", "1", "--out", str(tmp_path))
     report = json.loads((tmp_path / "host_overhead_w1.json").read_text())
     per_unit = report["seconds_per_unit"]
     assert set(per_unit) == {f"{name}/{mode}" for name in ("plain", "fsdp_ext", "fsdp_ext inline",
@@ -52,7 +53,7 @@ def test_host_overhead_benchmark_times_every_framework(tmp_path):
 @pytest.mark.slow
 def test_trainer_benchmark_times_every_implementation(tmp_path):
     pytest.importorskip("accelerate")
-    _run("trainer_step.py", "--layers", "1", "--hidden", "64", "--steps", "3", "--warmup", "1",
+    _run("step.trainer_step", "--layers", "1", "--hidden", "64", "--steps", "3", "--warmup", "1",
          "--runs", "1", "--out", str(tmp_path), "--dir", str(tmp_path / "runs"))
     report = json.loads((tmp_path / "trainer_step_w2.json").read_text())
     wrapped = {impl: runs[0][0]["sharded_by"] for impl, runs in report["results"].items()}
@@ -64,8 +65,8 @@ def test_trainer_benchmark_times_every_implementation(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_projection_benchmark_projects_every_mode(tmp_path):
-    _run("project_gpu_step.py", "--layers", "1", "--hidden", "64", "--ffn", "128", "--seq", "32",
-         "--out", str(tmp_path))
+    _run("planner.project_gpu_step", "--layers", "1", "--hidden", "64", "--ffn", "128", "--seq",
+         "32", "--out", str(tmp_path))
     report = json.loads((tmp_path / "gpu_projection.json").read_text())
     assert report["label"] == "PROJECTION, not measured"
     modes = report["modes"]

@@ -15,9 +15,9 @@ command is printed; the exit status is non-zero if any step fails):
      profiled: per-rank Chrome traces with the side streams' collectives beside the compute
      stream, and the timeline picture, under out/gpu_check/);
   5. the benchmarks' GPU tables: step time and peak memory against DDP / torch FSDP1 / FSDP2
-     (benchmarks/bench_step.py), the kernels (benchmarks/bench_kernels.py --device cuda), and the
-     step time with the collective tags on the device, checked on the host per collective, and
-     off.
+     (python -m benchmarks.step.bench_step), the kernels (python -m
+     benchmarks.kernels.bench_kernels --device cuda), and the step time with the collective tags
+     on the device, checked on the host per collective, and off.
 
     python tools/gpu_check.py [--skip-benchmarks]
 """
@@ -72,13 +72,15 @@ def main() -> int:
     if not args.skip_benchmarks:
         steps += [
             ("step time and memory vs DDP / FSDP1 / FSDP2",
-             [python, "benchmarks/bench_step.py", "--world-size", str(min(gpus, 2)),
+             [python, "-m", "benchmarks.step.bench_step", "--world-size", str(min(gpus, 2)),
               "--steps", "10"], None),
-            ("kernels", [python, "benchmarks/bench_kernels.py", "--device", "cuda"], None),
+            ("kernels", [python, "-m", "benchmarks.kernels.bench_kernels", "--device", "cuda"],
+             None),
             ("collective tags: on device (default) / host check per collective / off",
-             [python, "benchmarks/bench_step.py", "--world-size", str(min(gpus, 2)), "--steps",
-              "12", "--frameworks", "fsdp_ext", "fsdp_ext-sync-tags", "fsdp_ext-unchecked",
-              "local", "--no-plan", "--name", f"check_tags_gpu_w{min(gpus, 2)}"], None),
+             [python, "-m", "benchmarks.step.bench_step", "--world-size", str(min(gpus, 2)),
+              "--steps", "12", "--frameworks", "fsdp_ext", "fsdp_ext-sync-tags",
+              "fsdp_ext-unchecked", "local", "--no-plan", "--name",
+              f"check_tags_gpu_w{min(gpus, 2)}"], None),
         ]
     failed = [title for title, command, env in steps if not run(title, command, env)]
     print(f"gpu-check on {gpus} GPU(s) ({torch.cuda.get_device_name(0)}): "

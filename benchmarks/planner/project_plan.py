@@ -14,23 +14,19 @@ The ring model's latency term grows with the ranks in a ring ((W - 1) * alpha), 
 FULL_SHARD's step time climbs at 1024 GPUs while HYBRID_SHARD (rings of 8 inside a node, then an
 all-reduce of the shard across nodes) does not.
 
-    python benchmarks/project_plan.py
+    python -m benchmarks.planner.project_plan
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext.planner.comm_model import H100  # noqa: E402
-from fsdp_ext.planner.plan import project  # noqa: E402
-from results_io import markdown_table, write_json  # noqa: E402
+from fsdp_ext.planner.comm_model import H100
+from fsdp_ext.planner.plan import project
+
+from ..common import RESULTS, command, markdown_table, write_results
 
 MODELS = {  # name: (layers, d_model, heads, ffn, activation checkpointing)
     "0.2B (the step benchmark's --large)": (16, 1024, 16, 4096, False),
@@ -49,7 +45,7 @@ def build(layers: int, d: int, heads: int, ffn: int) -> nn.Module:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args()
     gib = 2**30
     sections, data = [], {}
@@ -81,18 +77,16 @@ def main() -> None:
                           "exposed comm (s)", "tokens/s/GPU"], rows), ""]
     text = "\n".join([
         "### PROJECTION to H100 clusters (estimated by fsdp_ext.plan, not measured)", "",
-        "`python benchmarks/project_plan.py`", "",
-        f"Inputs as stated in benchmarks/project_plan.py and fsdp_ext/planner/comm_model.py: {H100.name}; "
+        f"`{command(__spec__.name)}`", "",
+        f"Inputs as stated in benchmarks/planner/project_plan.py and "
+        f"fsdp_ext/planner/comm_model.py: {H100.name}; "
         f"{H100.peak_flops / 1e12:.0f} TFLOP/s bf16 at {100 * H100.mfu:.0f}% MFU; one {SEQ}-token "
         "sequence per GPU per step; bf16 compute, fp32 reduction and state, AdamW; prefetch 1.", "",
         *sections])
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "plan_projection.md"), "w") as f:
-        f.write(text)
-    write_json(os.path.join(args.out, "plan_projection.json"),
-               dict(label="PROJECTION, not measured", cluster=vars(H100) | {
-                   "intra": vars(H100.intra), "inter": vars(H100.inter)}, seq=SEQ, models=data))
+    write_results(args.out, "plan_projection", text,
+                  dict(label="PROJECTION, not measured", cluster=vars(H100) | {
+                      "intra": vars(H100.intra), "inter": vars(H100.inter)}, seq=SEQ, models=data))
 
 
 if __name__ == "__main__":

@@ -4,36 +4,27 @@ In a default process (no allocator settings changed, unlike bench_step's memory 
 shows what fresh memory costs a step: every block the allocator maps anew is faulted in and zeroed
 page by page.
 
-    python benchmarks/page_faults.py --large --world-size 4 --steps 2
-    python benchmarks/page_faults.py --framework ddp --large --world-size 4 --steps 2
+    python -m benchmarks.step.page_faults --large --world-size 4 --steps 2
+    python -m benchmarks.step.page_faults --framework ddp --large --world-size 4 --steps 2
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import resource
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext import exit_without_finalization  # noqa: E402
-from launch import free_port  # noqa: E402
-from step_frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap  # noqa: E402
+from fsdp_ext import exit_without_finalization
+
+from ..common import init_rank, launch
+from .frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=900))
+    init_rank(rank, world_size, port, timeout_s=900)
     cfg = LARGE if args.large else DEFAULT
     device = torch.device("cpu")
     model = wrap(args.framework, build_model(cfg, device), device)
@@ -71,7 +62,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
-    mp.spawn(worker, args=(args.world_size, free_port(), args), nprocs=args.world_size)
+    launch(worker, args.world_size, args)
 
 
 if __name__ == "__main__":

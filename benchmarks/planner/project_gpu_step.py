@@ -17,13 +17,12 @@ fp32 throughout: bf16 matmuls run at about 1 GFLOP/s on this CPU (no bf16 instru
 against about 70 GFLOP/s in fp32, so a bf16 recording would not finish in minutes. The
 projection therefore runs the matmuls at TF32 (half the bf16 peak) and moves fp32 bytes.
 
-    python benchmarks/project_gpu_step.py
-    python benchmarks/project_gpu_step.py --layers 2 --seq 256 --name gpu_projection_quick
+    python -m benchmarks.planner.project_gpu_step
+    python -m benchmarks.planner.project_gpu_step --layers 2 --seq 256 --name gpu_projection_quick
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -31,20 +30,17 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-import fsdp_ext  # noqa: E402
-from fsdp_ext import exit_without_finalization  # noqa: E402
-from fsdp_ext.diagnostics import gpu_projection  # noqa: E402
-from fsdp_ext.diagnostics.launch_trace import LaunchRecorder, LaunchTrace  # noqa: E402
-from fsdp_ext.diagnostics.stream_check import stream_check  # noqa: E402
-from fsdp_ext.planner.comm_model import H100, RING_FORMULAS  # noqa: E402
-from fsdp_ext.runtime.fingerprints import CHECK_ENV  # noqa: E402
-from launch import free_port  # noqa: E402
-from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
+import fsdp_ext
+from fsdp_ext import exit_without_finalization
+from fsdp_ext.diagnostics import gpu_projection
+from fsdp_ext.diagnostics.launch_trace import LaunchRecorder, LaunchTrace
+from fsdp_ext.diagnostics.stream_check import stream_check
+from fsdp_ext.planner.comm_model import H100, RING_FORMULAS
+from fsdp_ext.runtime.fingerprints import CHECK_ENV
+
+from ..common import (RESULTS, command, init_rank, launch, machine, machine_line, markdown_table,
+                      write_results)
 
 # (FSDP_EXT_CHECK value or None for unset, the name in tables and the PNG)
 MODES = [(None, "tags: default"), ("sync", "tags: sync"), ("off", "no tags (off)")]
@@ -66,14 +62,11 @@ def build(args):
 
 
 def worker(rank: int, world_size: int, port: int, mode: str | None, args, path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if mode is None:
         os.environ.pop(CHECK_ENV, None)
     else:
         os.environ[CHECK_ENV] = mode
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=900))
+    init_rank(rank, world_size, port, timeout_s=900)
     model = build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     recorder = LaunchRecorder(iteration=STEPS)
@@ -101,8 +94,7 @@ def record(mode: str | None, args) -> LaunchTrace:
     """One mode's recorded step (rank 0's)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
-        mp.spawn(worker, args=(args.world_size, free_port(), mode, args, path),
-                 nprocs=args.world_size, join=True)
+        launch(worker, args.world_size, mode, args, path)
         return LaunchTrace.load(path)
 
 
@@ -116,7 +108,7 @@ def _us(seconds: float) -> str:
 
 def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None:
     m = machine()
-    command = "python " + " ".join(["benchmarks/project_gpu_step.py", *argv[1:]])
+    cmd = command(__spec__.name, argv)
     projections = {name: gpu_projection.replay(t, costs) for name, t in traces.items()}
     summaries = {name: gpu_projection.summarize(p) for name, p in projections.items()}
     header = ["tags (FSDP_EXT_CHECK)", "step (ms)", "compute busy (ms)", "compute idle (ms)",
@@ -163,7 +155,7 @@ def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None
     png = os.path.join(args.out, f"{args.name}.png")
     text = "\n".join([
         f"### PROJECTION (modelled, not measured): {title}", "",
-        f"`{command}`", "",
+        f"`{cmd}`", "",
         f"Recorded on: {machine_line(m)}; gloo, {args.world_size} ranks, 1 thread each, under "
         f"the stream-order model; rank 0's step {STEPS} of {STEPS}; "
         f"{first.meta['params'] / 1e6:.1f}M parameters; CPU time per step (recording "
@@ -178,13 +170,10 @@ def report(traces: dict[str, LaunchTrace], costs, args, argv: list[str]) -> None
         markdown_table(unit_header, unit_rows), "",
         f"![PROJECTION timeline]({os.path.basename(png)})", ""])
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(text)
     cluster = vars(costs.cluster) | {"intra": vars(costs.cluster.intra),
                                      "inter": vars(costs.cluster.inter)}
-    write_json(os.path.join(args.out, f"{args.name}.json"), dict(
-        label="PROJECTION, not measured", command=command, machine=m, args=vars(args),
+    write_results(args.out, args.name, text, dict(
+        label="PROJECTION, not measured", command=cmd, machine=m, args=vars(args),
         costs={k: v for k, v in vars(costs).items() if k not in ("cluster", "collective_s")}
         | {"cluster": cluster, "collectives": "ring (planner/comm_model.py: RING_FORMULAS)"},
         modes={name: dict(check=t.meta["check"], cpu_step_s=t.meta["cpu_step_s"],
@@ -203,7 +192,7 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=8, help="world size of the projection")
     p.add_argument("--traces", default=None, help="also keep each mode's trace (JSON) here")
     p.add_argument("--name", default="gpu_projection")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args()
     traces = {}
     for mode, name in MODES:

@@ -13,29 +13,22 @@ all-gather that has long finished take: the price of running cold. Last, the pie
 timed by wrapping the runtime's functions on a fresh sharded chain (each wrapper adds its own
 call, and an outer piece includes the wrappers of the pieces inside it).
 
-    python benchmarks/hook_overhead.py
-    python benchmarks/hook_overhead.py --d 1024 --k 4
+    python -m benchmarks.host.hook_overhead
+    python -m benchmarks.host.hook_overhead --d 1024 --k 4
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext import exit_without_finalization  # noqa: E402
-import bench_overlap  # noqa: E402
-from launch import free_port  # noqa: E402
-from results_io import machine, machine_line  # noqa: E402
+from fsdp_ext import exit_without_finalization
+
+from ..common import init_rank, launch, machine, machine_line
+from ..overlap import chain as overlap_chain
 
 UNITS = 12
 SLEEP_S = 0.002
@@ -45,7 +38,7 @@ def _phases(chain, x, reps: int) -> dict[str, list[float]]:
     """Per-unit pre/compute/post seconds (unit index i at position i of every rep's run)."""
     stamps: list[float] = []
     clock = time.perf_counter
-    forward = bench_overlap.MatmulUnit.forward
+    forward = overlap_chain.MatmulUnit.forward
 
     def timed_forward(self, inp):
         stamps.append(clock())
@@ -58,7 +51,7 @@ def _phases(chain, x, reps: int) -> dict[str, list[float]]:
         handles.append(unit.register_forward_pre_hook(lambda *_: stamps.append(clock()),
                                                       prepend=True))
         handles.append(unit.register_forward_hook(lambda *_: stamps.append(clock())))
-    bench_overlap.MatmulUnit.forward = timed_forward
+    overlap_chain.MatmulUnit.forward = timed_forward
     out = {"pre": [], "compute": [], "post": [], "forward": []}
     try:
         for _ in range(reps):
@@ -73,7 +66,7 @@ def _phases(chain, x, reps: int) -> dict[str, list[float]]:
                 out["compute"].append(f1 - f0)
                 out["post"].append(end - f1)
     finally:
-        bench_overlap.MatmulUnit.forward = forward
+        overlap_chain.MatmulUnit.forward = forward
         for h in handles:
             h.remove()
     return out
@@ -108,7 +101,7 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
     for (owner, name, fn), (_, _, label) in zip(originals, pieces):
         setattr(owner, name, timed(fn, times[label]))
     try:  # the hooks are bound when fully_shard runs: shard after wrapping
-        chain = bench_overlap.shard_chain(d, k, UNITS, 1, SLEEP_S)
+        chain = overlap_chain.shard_chain(d, k, UNITS, 1, SLEEP_S)
         chain(x)
         chain(x)
         for samples in times.values():
@@ -149,10 +142,7 @@ def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
+    init_rank(rank, world_size, port, timeout_s=300)
     from fsdp_ext.runtime import comm
     alone = comm.subgroup([rank])  # every hook runs, nothing to gather from peers
     configs = [(f"d={args.d}, k={args.k}, world {world_size}", args.d, args.k, None),
@@ -162,8 +152,8 @@ def worker(rank: int, world_size: int, port: int, args) -> None:
     with torch.no_grad():
         for label, d, k, group in configs:
             x = torch.randn(32, d)
-            plain = bench_overlap.build_chain(d, k, UNITS, SLEEP_S)
-            sharded = bench_overlap.shard_chain(d, k, UNITS, 1, SLEEP_S, process_group=group)
+            plain = overlap_chain.build_chain(d, k, UNITS, SLEEP_S)
+            sharded = overlap_chain.shard_chain(d, k, UNITS, 1, SLEEP_S, process_group=group)
             for chain in (plain, sharded, plain, sharded):  # warm-up; records the order
                 chain(x)
             results[label] = {name: _phases(chain, x, args.reps)
@@ -205,8 +195,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sleep-ms", type=float, default=5.0)
     args = p.parse_args()
-    port = free_port()
-    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
+    launch(worker, args.world_size, args)
 
 
 if __name__ == "__main__":

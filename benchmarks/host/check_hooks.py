@@ -8,27 +8,22 @@ side by side and timed in turn:
     no-checks  the submodule pre-hooks removed
     bare       also the unit hooks re-registered without the torch.compiler.disable wrapper
 
-    python benchmarks/check_hooks.py [--layers 8] [--steps 200]
+    python -m benchmarks.host.check_hooks [--layers 8] [--steps 200]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import fsdp_ext  # noqa: E402
-from fsdp_ext.runtime.registry import units_of  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
-from results_io import machine, machine_line  # noqa: E402
+import fsdp_ext
+from examples.models import GPT, GPTConfig
+from fsdp_ext.runtime.registry import units_of
+
+from ..common import free_port, init_rank, machine, machine_line
 
 
 def build(layers: int, variant: str):
@@ -67,11 +62,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_rank(0, 1, free_port())
     variants = ["full", "plain-guards", "no-checks", "bare"]
     models = {v: build(args.layers, v) for v in variants}
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))

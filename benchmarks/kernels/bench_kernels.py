@@ -12,9 +12,9 @@ evicted before each single timed call), GB/s (bytes read + written), the fractio
 copy_ bandwidth, and the speedup over `torch._foreach_copy_` (or its closest foreach equivalent).
 Prints a markdown table; writes JSON (--out) and optionally the table (--md).
 
-    python benchmarks/bench_kernels.py --threads 1 2
-    python benchmarks/bench_kernels.py --threads 1 --cold          # the data comes from memory
-    python benchmarks/bench_kernels.py --quick --backends torch   # smoke run, a few seconds
+    python -m benchmarks.kernels.bench_kernels --threads 1 2
+    python -m benchmarks.kernels.bench_kernels --threads 1 --cold        # data from memory
+    python -m benchmarks.kernels.bench_kernels --quick --backends torch  # smoke run, seconds
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_ext import ops  # noqa: E402
+from fsdp_ext import ops
+
+from ..common import RESULTS, cpu_model
 
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -280,15 +281,8 @@ def describe(result: dict) -> str:
 
 def machine_info(device: torch.device) -> dict:
     info = dict(platform=platform.platform(), python=platform.python_version(),
-                torch=torch.__version__, device=str(device),
-                cpu=platform.processor() or platform.machine(),
+                torch=torch.__version__, device=str(device), cpu=cpu_model(),
                 cpu_count=os.cpu_count(), load_average_at_start=os.getloadavg())
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f
-                               if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -328,8 +322,7 @@ def main(argv=None) -> dict:
                         help="with --cold: MiB written to evict the caches")
     parser.add_argument("--backends", nargs="+", help="fsdp_ext backends to time (default: all)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "kernels.json"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "kernels.json"))
     parser.add_argument("--md", help="also write the markdown table here")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="instead of running, combine earlier results (e.g. one run per thread "

@@ -3,8 +3,8 @@
 mp.spawn launches (gloo on CPU, NCCL on GPUs) run every framework on every rank. Each builds
 the same model (same seed), wraps it and trains it with AdamW on the same batch.
   Phase 1 (memory): the frameworks one after the other, each in fresh processes (one launch each):
-  peak RSS above the process's baseline (rss.py), the bytes of parameters, gradients and
-  optimizer state, and for fsdp_ext its own `memory_report`.
+  peak RSS above the process's baseline (benchmarks/memory.py), the bytes of parameters, gradients
+  and optimizer state, and for fsdp_ext its own `memory_report`.
   Phase 2 (time, default --timing interleaved): one launch with all frameworks alive on every
   rank, one step each in turn with barriers, in a rotating order, so changes in the load of a
   shared machine hit them alike (glibc's default allocator settings, as users run).
@@ -12,36 +12,31 @@ the same model (same seed), wraps it and trains it with AdamW on the same batch.
 A step's time is the slowest rank's; the report gives the median, fsdp_ext's time divided by each
 peer's (the issue's targets are written that way) and each rank's CPU seconds per step.
 
-    python benchmarks/bench_step.py                       # default case, world size 2
-    python benchmarks/bench_step.py --world-size 4
-    python benchmarks/bench_step.py --large --world-size 4 --timing sequential --steps 2 --warmup 1
+    python -m benchmarks.step.bench_step                       # default case, world size 2
+    python -m benchmarks.step.bench_step --world-size 4
+    python -m benchmarks.step.bench_step --large --world-size 4 --timing sequential --steps 2 \\
+        --warmup 1
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext import exit_without_finalization  # noqa: E402
-from launch import free_port  # noqa: E402
-import plan_check  # noqa: E402
-import rss  # noqa: E402
-from tensor_memory import TensorMemory  # noqa: E402
-import step_report  # noqa: E402
-from step_frameworks import (  # noqa: E402
-    DEFAULT, FRAMEWORKS, LARGE, WRAPPERS, build_model, make_batch, tensor_accounting, wrap)
+from fsdp_ext import exit_without_finalization
+
+from .. import memory
+from ..common import RESULTS, command, init_rank, launch
+from ..planner import validate_plan
+from . import report
+from .frameworks import (DEFAULT, FRAMEWORKS, LARGE, WRAPPERS, build_model, make_batch,
+                         tensor_accounting, wrap)
 
 
 class Trainer:
@@ -96,15 +91,15 @@ def run_alone(name: str, cfg, device, args, timed_steps: int) -> dict:
     """Build and train one framework with nothing else alive: this rank's memory, then (outside
     the profiler that counts tensor bytes, which slows small ops) `timed_steps` timed steps."""
     _load_libraries(device)
-    have_reset = rss.reset_peak()
-    base = rss.current_bytes()
-    with TensorMemory(device) as tensors:
+    have_reset = memory.reset_peak()
+    base = memory.current_bytes()
+    with memory.TensorMemory(device) as tensors:
         trainer = Trainer(name, cfg, device, args)
-        init_peak = rss.peak_bytes() - base
-        rss.reset_peak()  # the training window starts here; the model stays
+        init_peak = memory.peak_bytes() - base
+        memory.reset_peak()  # the training window starts here; the model stays
         with tensors.window():
             samples = [trainer.step() for _ in range(args.warmup + args.memory_steps)]
-        train_peak = rss.peak_bytes() - base
+        train_peak = memory.peak_bytes() - base
     tensor_peak, tensor_init_peak = tensors.peak_bytes()
     samples = [trainer.step() for _ in range(timed_steps)] or samples[args.warmup:]
     out = dict(times=[s[0] for s in samples], cpu=[s[1] for s in samples], loss=samples[-1][2],
@@ -112,7 +107,7 @@ def run_alone(name: str, cfg, device, args, timed_steps: int) -> dict:
                tensor_peak=tensor_peak, tensor_init_peak=tensor_init_peak,
                rss_reset=have_reset, **trainer.accounting())
     del trainer
-    rss.release_free_memory()
+    memory.release_free_memory()
     return out
 
 
@@ -140,14 +135,12 @@ def _slowest(values: list[float]) -> list[float]:
 
 def _setup(rank: int, world_size: int, port: int, args):
     """Process group, device and model config of one rank."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=1800))
+    init_rank(rank, world_size, port, threads=args.threads, timeout_s=1800,
+              backend="nccl" if cuda else "gloo", RANK=str(rank), WORLD_SIZE=str(world_size),
+              LOCAL_RANK=str(rank))
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     cfg = LARGE if args.large else DEFAULT
     overrides = {k: v for k, v in (("batch", args.batch), ("n_layer", args.layers)) if v}
@@ -158,7 +151,7 @@ def _setup(rank: int, world_size: int, port: int, args):
 def memory_worker(rank: int, world_size: int, port: int, args, name: str, path: str) -> None:
     """Phase 1, one framework in fresh processes: nothing another framework left behind (freed
     heap, one-time allocations) can lower or raise its peak."""
-    rss.track_live_memory()
+    memory.track_live_memory()
     device, cfg = _setup(rank, world_size, port, args)
     mine = run_alone(name, cfg, device, args, args.steps if args.timing == "sequential" else 0)
     ranks = [None] * world_size
@@ -178,7 +171,7 @@ def _plan(device, cfg, args) -> dict | None:
     """The planner's prediction for fsdp_ext, made by every rank at once (as training runs)."""
     if args.no_plan or "fsdp_ext" not in args.frameworks:
         return None
-    prediction = plan_check.predict(cfg, device, args.threads, args.prefetch)
+    prediction = validate_plan.predict(cfg, device, args.threads, args.prefetch)
     if dist.get_rank() == 0:
         print(prediction["text"], flush=True)
     return prediction
@@ -187,9 +180,9 @@ def _plan(device, cfg, args) -> dict | None:
 def plan_worker(rank: int, world_size: int, port: int, args, path: str) -> None:
     """With --timing sequential: the prediction in a launch of its own, under the allocator
     setting of the memory launches whose step times it is compared with (every tensor above
-    64 KiB mapped and unmapped on its own, see rss.track_live_memory: a step then pays page faults
-    a default process does not, and so must the planner's compute measurement)."""
-    rss.track_live_memory()
+    64 KiB mapped and unmapped on its own, see memory.track_live_memory: a step then pays page
+    faults a default process does not, and so must the planner's compute measurement)."""
+    memory.track_live_memory()
     device, cfg = _setup(rank, world_size, port, args)
     prediction = _plan(device, cfg, args)
     if rank == 0:
@@ -227,8 +220,7 @@ def run_all(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.frameworks:
             path = os.path.join(tmp, f"{name}.pt")
-            mp.spawn(memory_worker, args=(args.world_size, free_port(), args, name, path),
-                     nprocs=args.world_size, join=True)
+            launch(memory_worker, args.world_size, args, name, path)
             results[name] = torch.load(path, weights_only=False)
         meta = results[args.frameworks[0]]
         if args.timing == "sequential":
@@ -236,13 +228,11 @@ def run_all(args) -> dict:
                 r["times"] = r["alone_times"]
                 r["cpu"] = [statistics.mean(c) for c in zip(*(x["cpu"] for x in r["ranks"]))]
             path = os.path.join(tmp, "plan.pt")
-            mp.spawn(plan_worker, args=(args.world_size, free_port(), args, path),
-                     nprocs=args.world_size, join=True)
+            launch(plan_worker, args.world_size, args, path)
             prediction = torch.load(path, weights_only=False)
         else:
             path = os.path.join(tmp, "timing.pt")
-            mp.spawn(timing_worker, args=(args.world_size, free_port(), args, path),
-                     nprocs=args.world_size, join=True)
+            launch(timing_worker, args.world_size, args, path)
             timing = torch.load(path, weights_only=False)
             prediction = timing.pop("__plan__")
             for name, r in timing.items():
@@ -268,12 +258,12 @@ def main() -> None:
     p.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=list(WRAPPERS))
     p.add_argument("--no-plan", action="store_true", help="skip the planner's prediction")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory")
+    p.add_argument("--out", default=RESULTS, help="output directory")
     p.add_argument("--name", default="", help="file name stem (default: step_<case>_w<N>)")
     args = p.parse_args()
     case = "large" if args.large else "default"
     stem = args.name or f"step_{case}_w{args.world_size}"
-    step_report.write(run_all(args), args, case, stem, sys.argv)
+    report.write(run_all(args), args, case, stem, command(__spec__.name))
 
 
 if __name__ == "__main__":

@@ -2,42 +2,35 @@
 
 torch FSDP2 users report DTensor dispatch costing up to a third of a step in AdamW (pytorch#134191):
 every optimizer op on a DTensor goes through sharding propagation before it reaches the local
-tensor. This measures that cost on the step benchmark's model (benchmarks/step_frameworks.py,
+tensor. This measures that cost on the step benchmark's model (benchmarks/step/frameworks.py,
 DEFAULT), world 2, gloo CPU, one thread per rank: two AdamW instances with the same settings, one
 over the model's DTensor parameters (with their DTensor gradients), one over plain tensors of the
 same local shapes and values, stepped alternately; per implementation (foreach, single-tensor,
 fused) the median step time of each, the overhead in ms and as a share of a training step of
 `--step-s` seconds (bench_step.py's fsdp_ext median on this machine).
 
-    PYTHONPATH=. python benchmarks/optimizer_dtensor.py [--steps 15] [--step-s 1.2]
+    python -m benchmarks.step.optimizer_dtensor [--steps 15] [--step-s 1.2]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext import exit_without_finalization  # noqa: E402
-from launch import free_port  # noqa: E402
-from step_frameworks import DEFAULT, build_model, make_batch  # noqa: E402
+from fsdp_ext import exit_without_finalization
+
+from ..common import init_rank, launch
+from .frameworks import DEFAULT, build_model, make_batch
 
 KINDS = {"foreach": dict(foreach=True), "single-tensor": dict(foreach=False),
          "fused": dict(fused=True)}
 
 
 def _worker(rank: int, world: int, port: int, steps: int, step_s: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     import fsdp_ext
     model = build_model(DEFAULT, torch.device("cpu"))
     for layer in model.layers:
@@ -82,7 +75,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=1.2,
                         help="training step time to relate the overhead to")
     args = parser.parse_args()
-    mp.spawn(_worker, args=(2, free_port(), args.steps, args.step_s), nprocs=2, join=True)
+    launch(_worker, 2, args.steps, args.step_s)
 
 
 if __name__ == "__main__":

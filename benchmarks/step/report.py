@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import statistics
 
-import plan_check
-from results_io import machine, machine_line, markdown_table, mib, write_json
+from ..common import machine, machine_line, markdown_table, mib, write_results
+from ..planner import validate_plan
 
 # The issue's targets: fsdp_ext's step time divided by each peer's (world size 2, default case) and
 # fsdp_ext's peak memory against DDP's and FSDP2's (>= 200M parameters, world size 4).
@@ -118,11 +118,11 @@ def chart(summary: dict, title: str, path: str) -> None:
     plt.close(fig)
 
 
-def write(raw: dict, args, case: str, stem: str, argv: list[str]) -> dict:
+def write(raw: dict, args, case: str, stem: str, cmd: str) -> dict:
+    """The report of one run of `cmd` (its command line): STEM.md, .json and .png in args.out."""
     summary = summarize(raw)
     m = machine()
     cfg = raw["config"]
-    command = "python " + " ".join(["benchmarks/bench_step.py", *argv[1:]])
     checks = targets(summary, case, args.world_size)
     timing = ("one step each in turn, all alive" if args.timing == "interleaved"
               else "each framework alone, one after the other")
@@ -130,23 +130,20 @@ def write(raw: dict, args, case: str, stem: str, argv: list[str]) -> dict:
              f"{cfg['batch']}x{cfg['seq']}/rank, AdamW), world size {args.world_size}, "
              f"{'NCCL' if raw['cuda'] else 'gloo CPU'}, {args.threads} thread(s)/rank; "
              f"timing: {timing}")
-    md = [f"### {title}", "", f"`{command}`", "", f"Machine: {machine_line(m)}", "",
+    md = [f"### {title}", "", f"`{cmd}`", "", f"Machine: {machine_line(m)}", "",
           table(summary), ""]
     for c in checks:
         md.append(f"- target {c['what']} <= {c['limit']}: {c['value']:.2f} "
                   f"({'met' if c['met'] else 'missed'})")
     plan = None
     if raw.get("plan") and "fsdp_ext" in summary:
-        plan = plan_check.compare(raw["plan"], summary["fsdp_ext"])
-        md.extend(plan_check.lines(plan))
+        plan = validate_plan.compare(raw["plan"], summary["fsdp_ext"])
+        md.extend(validate_plan.lines(plan))
     text = "\n".join(md) + "\n"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(text)
-    data = dict(case=case, world_size=args.world_size, command=command, machine=m, config=cfg,
+    data = dict(case=case, world_size=args.world_size, command=cmd, machine=m, config=cfg,
                 args=vars(args), summary=summary, targets=checks, plan=raw.get("plan"),
                 plan_check=plan, raw=raw["results"])
-    write_json(os.path.join(args.out, stem + ".json"), data)
+    write_results(args.out, stem, text, data)
     chart(summary, title + "\n" + machine_line(m), os.path.join(args.out, stem + ".png"))
     return data

@@ -14,40 +14,34 @@ framework's own Python and C++ around each unit (and, with the issue thread, the
 it): the regime of small units on an accelerator, where the host must keep ahead of the kernels.
 With more ranks it adds the latency of tiny collectives over gloo.
 
-    python benchmarks/host_overhead.py
-    python benchmarks/host_overhead.py --world-size 2 --units 96
+    python -m benchmarks.host.host_overhead
+    python -m benchmarks.host.host_overhead --world-size 2 --units 96
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext import exit_without_finalization  # noqa: E402
-import bench_overlap  # noqa: E402
-from launch import free_port  # noqa: E402
-from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
+from fsdp_ext import exit_without_finalization
+from fsdp_ext.runtime import comm
 
-from fsdp_ext.runtime import comm  # noqa: E402
+from ..common import (RESULTS, command, init_rank, launch, machine, machine_line, markdown_table,
+                      write_results)
+from ..overlap.chain import build_chain, shard_chain, shard_chain_fsdp2, slowest_rank_time
 
 FRAMEWORKS = ("plain", "fsdp_ext", "fsdp_ext inline", "fsdp2")
 
 
 def _chain(name: str, d: int, units: int, x: torch.Tensor):
     if name == "plain":
-        return bench_overlap.build_chain(d, 1, units)
+        return build_chain(d, 1, units)
     if name == "fsdp2":
-        return bench_overlap.shard_chain_fsdp2(d, 1, units, 0, 0.0)
-    chain = bench_overlap.shard_chain(d, 1, units, 1, 0.0)
+        return shard_chain_fsdp2(d, 1, units, 0, 0.0)
+    chain = shard_chain(d, 1, units, 1, 0.0)
     # The setting is read when the root makes its schedule, at the first forward.
     previous = os.environ.get(comm.ISSUE_THREAD_ENV)
     os.environ[comm.ISSUE_THREAD_ENV] = "0" if name == "fsdp_ext inline" else "1"
@@ -63,10 +57,7 @@ def _chain(name: str, d: int, units: int, x: torch.Tensor):
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
+    init_rank(rank, world_size, port, timeout_s=300)
     x = torch.randn(4, args.d, requires_grad=True)
     chains = {name: _chain(name, args.d, args.units, x) for name in FRAMEWORKS}
 
@@ -87,7 +78,7 @@ def worker(rank: int, world_size: int, port: int, args) -> None:
     for i in range(args.reps):
         for key in keys[i % len(keys):] + keys[:i % len(keys)]:
             fn, chain = runs[key]
-            samples[key].append(bench_overlap.slowest_rank_time(lambda: fn(chain)))
+            samples[key].append(slowest_rank_time(lambda: fn(chain)))
     if rank == 0:
         report({f"{name}/{mode}": statistics.median(v) / args.units
                 for (name, mode), v in samples.items()}, args)
@@ -98,7 +89,7 @@ def worker(rank: int, world_size: int, port: int, args) -> None:
 
 def report(per_unit: dict, args) -> None:
     m = machine()
-    command = "python " + " ".join(["benchmarks/host_overhead.py", *sys.argv[1:]])
+    cmd = command(__spec__.name)
     rows = []
     for mode, what in (("train", "forward + backward"), ("no_grad", "forward under no_grad")):
         us = {name: 1e6 * per_unit[f"{name}/{mode}"] for name in FRAMEWORKS}
@@ -110,15 +101,11 @@ def report(per_unit: dict, args) -> None:
                            rows)
     text = "\n".join([
         f"### Host time per unit: {args.units} units of {args.d} x {args.d}, world size "
-        f"{args.world_size}, gloo CPU, median of {args.reps}", "", f"`{command}`", "",
+        f"{args.world_size}, gloo CPU, median of {args.reps}", "", f"`{cmd}`", "",
         f"Machine: {machine_line(m)}", "", table, ""])
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    name = f"host_overhead_w{args.world_size}"
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(text)
-    write_json(os.path.join(args.out, name + ".json"),
-               dict(command=command, machine=m, args=vars(args), seconds_per_unit=per_unit))
+    write_results(args.out, f"host_overhead_w{args.world_size}", text,
+                  dict(command=cmd, machine=m, args=vars(args), seconds_per_unit=per_unit))
 
 
 def main() -> None:
@@ -127,9 +114,9 @@ def main() -> None:
     p.add_argument("--units", type=int, default=48)
     p.add_argument("--d", type=int, default=64, help="unit: a d x d fp32 weight")
     p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args()
-    mp.spawn(worker, args=(args.world_size, free_port(), args), nprocs=args.world_size, join=True)
+    launch(worker, args.world_size, args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ accumulation 1, clipping at 1.0, no checkpoints; a TrainerCallback times each op
 (on_step_begin to on_step_end: forward, backward, reduction, clipping, optimizer); the first
 `--warmup` steps are left out. Peak RSS is above the process's RSS just before the Trainer is built.
 
-    .venv/bin/python benchmarks/trainer_step.py
-    .venv/bin/python benchmarks/trainer_step.py --tensor-memory --runs 1 --name trainer_tensors_w2
+    .venv/bin/python -m benchmarks.step.trainer_step
+    .venv/bin/python -m benchmarks.step.trainer_step --tensor-memory --runs 1 \\
+        --name trainer_tensors_w2
 """
 from __future__ import annotations
 
@@ -18,29 +19,22 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from launch import free_port  # noqa: E402
-from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
-from rss import current_bytes, peak_bytes, reset_peak, track_live_memory  # noqa: E402
-from tensor_memory import TensorMemory  # noqa: E402
+from ..common import (RESULTS, init_rank, launch, machine, machine_line, markdown_table,
+                      write_results)
+from ..memory import TensorMemory, current_bytes, peak_bytes, reset_peak, track_live_memory
 
 IMPLEMENTATIONS = ("ddp", "torch", "fsdp_ext")
 
 
 def worker(rank: int, world: int, port: int, impl: str, args, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     track_live_memory()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+              LOCAL_WORLD_SIZE=str(world))
     import fsdp_ext.integrations.accelerate as switch
     from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,
                               TrainingArguments)
@@ -104,14 +98,13 @@ def main() -> None:
     parser.add_argument("--name", default="trainer_step_w2", help="results file name")
     parser.add_argument("--tensor-memory", action="store_true",
                         help="also the peak of live tensor bytes (profiler; slower steps)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     results: dict[str, list[list[dict]]] = {}
     for _ in range(args.runs):
         for impl in IMPLEMENTATIONS:
-            mp.spawn(worker, args=(args.world_size, free_port(), impl, args, args.dir),
-                     nprocs=args.world_size, join=True)
+            launch(worker, args.world_size, impl, args, args.dir)
             ranks = [json.load(open(os.path.join(args.dir, f"{impl}-{r}.json")))
                      for r in range(args.world_size)]
             results.setdefault(impl, []).append(ranks)
@@ -139,11 +132,8 @@ def main() -> None:
                            + (["peak live tensors per run (MiB, max of ranks)"]
                               if args.tensor_memory else []), rows)
     print(header + "\n\n" + table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(header + "\n\n" + table + "\n")
-    write_json(os.path.join(args.out, f"{args.name}.json"),
-               dict(machine=where, args=vars(args), results=results))
+    write_results(args.out, args.name, header + "\n\n" + table + "\n",
+                  dict(machine=where, args=vars(args), results=results))
 
 
 if __name__ == "__main__":

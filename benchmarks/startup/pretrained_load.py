@@ -14,30 +14,23 @@ mapped by safetensors count too). The checkpoint file is written once (fp32, the
 embedding as Hugging Face saves it) and is in the page cache for both flows (a warm start).
 Both loads are checked against the file: every rank's parameters equal its rows of the checkpoint.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/pretrained_load.py --world-size 4
+    .venv/bin/python -m benchmarks.startup.pretrained_load --world-size 4
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-sys.path.insert(0, HERE)
-import rss  # noqa: E402
-from launch import free_port  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
-from results_io import machine, machine_line  # noqa: E402
+from examples.models import GPT, GPTConfig
+
+from .. import memory
+from ..common import init_rank, launch, machine, machine_line
 
 
 def config(args) -> GPTConfig:
@@ -55,11 +48,7 @@ def write_checkpoint(args, path: str) -> int:
 
 
 def worker(rank: int, world: int, port: int, args, flow: str, path: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
+    init_rank(rank, world, port, timeout_s=1800, RANK=str(rank), WORLD_SIZE=str(world))
     from safetensors import safe_open
     with torch.device("meta"):
         model = GPT(config(args))
@@ -72,9 +61,9 @@ def worker(rank: int, world: int, port: int, args, flow: str, path: str, out: st
     fully_shard(model)
     model.to_empty(device="cpu")
     dist.barrier()
-    rss.release_free_memory()
-    rss.reset_peak()
-    base = rss.current_bytes()
+    memory.release_free_memory()
+    memory.reset_peak()
+    base = memory.current_bytes()
     start = time.perf_counter()
     if flow == "torch":
         from safetensors.torch import load_file
@@ -89,7 +78,7 @@ def worker(rank: int, world: int, port: int, args, flow: str, path: str, out: st
         fsdp_ext.load_pretrained(model, path)
     dist.barrier()
     seconds = time.perf_counter() - start
-    peak = rss.peak_bytes() - base
+    peak = memory.peak_bytes() - base
     with safe_open(path, framework="pt") as f:  # the load is right: this rank's rows match
         for name, param in model.named_parameters():
             local = param.to_local()
@@ -121,8 +110,7 @@ def main() -> None:
         numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     results = {}
     for flow in ("torch", "fsdp_ext", "torch", "fsdp_ext"):  # twice each, alternating
-        mp.spawn(worker, args=(args.world_size, free_port(), args, flow, path, args.dir),
-                 nprocs=args.world_size, join=True)
+        launch(worker, args.world_size, args, flow, path, args.dir)
         runs = [json.load(open(os.path.join(args.dir, f"{flow}-{r}.json")))
                 for r in range(args.world_size)]
         results.setdefault(flow, []).append(runs)

@@ -24,97 +24,29 @@ stack) compete with the matmul threads for the same cores, so communication cann
 matmuls there, however early it is issued: the matmul rows measure that contention, the sleep rows
 the schedule itself.
 
-    python benchmarks/bench_overlap.py
-    python benchmarks/bench_overlap.py --sizes 1024 --matmuls 1 4 --reps 3   # quick
+    python -m benchmarks.overlap.bench_overlap
+    python -m benchmarks.overlap.bench_overlap --sizes 1024 --matmuls 1 4 --reps 3   # quick
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from fsdp_ext import exit_without_finalization  # noqa: E402
-from launch import free_port  # noqa: E402
-from results_io import machine, machine_line, markdown_table, write_json  # noqa: E402
+from fsdp_ext import exit_without_finalization
+
+from ..common import (RESULTS, command, init_rank, launch, machine, machine_line, markdown_table,
+                      write_results)
+from .chain import build_chain, shard_chain, shard_chain_fsdp2, slowest_rank_time
 
 DEPTHS = (0, 1, 2)
 FSDP2_VARIANTS = {"depth0": (0, False), "depth1": (1, False), "depth1_async": (1, True)}
 TARGET_EXPOSED = 0.15  # issue: <= 15% exposed with depth 1 when compute per unit >= comm per unit
-
-
-class MatmulUnit(nn.Module):
-    """k matmuls with the unit's weight; or, with sleep_s > 0, k sleeps: compute that leaves the
-    host's cores idle, as an accelerator's kernels do."""
-
-    def __init__(self, d: int, k: int, sleep_s: float = 0.0):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(d, d) / d ** 0.5)  # norm-preserving on average
-        self.k = k
-        self.sleep_s = sleep_s
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sleep_s:
-            time.sleep(self.k * self.sleep_s)
-            return x + self.w[0, 0]  # still reads the gathered weight
-        for _ in range(self.k):
-            x = x @ self.w
-        return x
-
-
-def build_chain(d: int, k: int, units: int, sleep_s: float = 0.0) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*(MatmulUnit(d, k, sleep_s) for _ in range(units)))
-
-
-def shard_chain(d: int, k: int, units: int, depth: int, sleep_s: float,
-                process_group=None) -> nn.Sequential:
-    import fsdp_ext
-    chain = build_chain(d, k, units, sleep_s)
-    opts = dict(forward_prefetch=depth, backward_prefetch=depth, process_group=process_group)
-    for unit in chain:
-        fsdp_ext.fully_shard(unit, **opts)
-    return fsdp_ext.fully_shard(chain, **opts)
-
-
-def shard_chain_fsdp2(d: int, k: int, units: int, depth: int, sleep_s: float,
-                      async_unshard: bool = False) -> nn.Sequential:
-    """The same chain under PyTorch FSDP2, each unit prefetching the next `depth` units' all-gathers
-    in forward (FSDP2 prefetches in forward only when told which modules to)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    chain = build_chain(d, k, units, sleep_s)
-    for unit in chain:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(chain, mesh=mesh)
-    if async_unshard:
-        chain._set_unshard_async_op(True)
-    if depth:
-        for i, unit in enumerate(chain):
-            unit.set_modules_to_forward_prefetch(list(chain)[i + 1:i + 1 + depth])
-    return chain
-
-
-def slowest_rank_time(fn) -> float:
-    """Slowest rank's wall time of fn() started together after a barrier."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def measure(kind: str, d: int, k: int, args) -> dict:
@@ -164,10 +96,7 @@ def measure(kind: str, d: int, k: int, args) -> dict:
 
 
 def worker(rank: int, world_size: int, port: int, args, path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=600))
+    init_rank(rank, world_size, port, threads=args.threads, timeout_s=600)
     rows = []
     for kind in args.kinds:
         for d in args.sizes:
@@ -185,7 +114,7 @@ def worker(rank: int, world_size: int, port: int, args, path: str) -> None:
 
 def report(rows: list[dict], args, argv: list[str]) -> None:
     m = machine()
-    command = "python " + " ".join(["benchmarks/bench_overlap.py", *argv[1:]])
+    cmd = command(__spec__.name, argv)
     header = ["compute", "unit (MB)", "k/unit", "compute/unit (ms)", "all-gather/unit (ms)",
               "compute ÷ comm", *[f"exposed, depth {p}" for p in DEPTHS],
               "FSDP2 all-gather/unit (ms)", "FSDP2 exposed, depth 0", "FSDP2 exposed, depth 1",
@@ -215,15 +144,12 @@ def report(rows: list[dict], args, argv: list[str]) -> None:
     text = "\n".join([
         f"### Overlap: {args.units} units of k matmuls ([{args.batch}, d] x [d, d], fp32), "
         f"world size {args.world_size}, gloo CPU, {args.threads} thread(s)/rank, median of "
-        f"{args.reps}", "", f"`{command}`", "", f"Machine: {machine_line(m)}", "", table, "",
+        f"{args.reps}", "", f"`{cmd}`", "", f"Machine: {machine_line(m)}", "", table, "",
         *[f"- {v}" for v in verdicts], ""])
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "overlap.md"), "w") as f:
-        f.write(text)
-    write_json(os.path.join(args.out, "overlap.json"),
-               dict(command=command, machine=m, args=vars(args), rows=rows, worst_depth1=worst,
-                    target=TARGET_EXPOSED))
+    write_results(args.out, "overlap", text,
+                  dict(command=cmd, machine=m, args=vars(args), rows=rows, worst_depth1=worst,
+                       target=TARGET_EXPOSED))
     chart(rows, os.path.join(args.out, "overlap.png"), machine_line(m))
 
 
@@ -272,13 +198,11 @@ def main() -> None:
                    help="units in the chain (the first all-gather, 1/units of all, cannot hide)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args()
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.pt")
-        mp.spawn(worker, args=(args.world_size, port, args, path), nprocs=args.world_size,
-                 join=True)
+        launch(worker, args.world_size, args, path)
         rows = torch.load(path, weights_only=False)
     report(rows, args, sys.argv)
 

@@ -3,35 +3,26 @@
 Prints, per rank, the operators with the most self CPU time and the fsdp_ext trace events of one
 step (collective issue/wait, unit forward/backward); writes a Chrome trace per rank to --out.
 
-    python benchmarks/profile_step.py --framework fsdp_ext --out /tmp/prof
+    python -m benchmarks.step.profile_step --framework fsdp_ext --out /tmp/prof
     py-spy record --subprocesses --native --format raw -o /tmp/spy.txt -- \
-        python benchmarks/profile_step.py --plain --steps 6
+        python -m benchmarks.step.profile_step --plain --steps 6
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from launch import free_port  # noqa: E402
-from step_frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap  # noqa: E402
+from ..common import init_rank, launch
+from .frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wrap
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
     from fsdp_ext.runtime.trace import recording
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=600))
+    init_rank(rank, world_size, port, threads=args.threads, timeout_s=600)
     cfg = LARGE if args.large else DEFAULT
     device = torch.device("cpu")
     options = dict(forward_prefetch=args.prefetch, backward_prefetch=args.prefetch)
@@ -87,8 +78,7 @@ def main() -> None:
                    help="just run the steps (for py-spy record --subprocesses --native)")
     p.add_argument("--out", default="/tmp/fsdp_ext_profile")
     args = p.parse_args()
-    port = free_port()
-    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
+    launch(worker, args.world_size, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,2 @@
+"""The copy/cast kernels (fsdp_ext.ops) against plain torch and a same-size copy_
+(bench_kernels)."""
