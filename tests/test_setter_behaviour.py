@@ -20,7 +20,6 @@ hook the test registers after the framework's own.
 from __future__ import annotations
 
 import collections
-import json
 import sys
 
 import pytest
@@ -425,31 +424,7 @@ def check_hsdp_accumulation(rank: int, world: int) -> None:
         torch.testing.assert_close(params["fsdp_ext"][name], value, atol=1e-6, rtol=1e-5)
 
 
-# Checks that fail on a known difference from torch, each an xfail test below: the shared worker
-# runs them and records their failure instead of raising it (no process group of their own).
-KNOWN_DIFFERENCES = {
-    "empty backward prefetch lists": check_empty_backward_prefetch_lists,
-}
-
-
-def _known_difference(rank: int, world: int, check) -> str:
-    """`check(rank, world, when)` set before the first forward, then between steps: its first
-    failure's message, "" if it held. The ranks agree after each (each asserts on what it saw, and
-    one that went on alone would wait for the other in the next collective)."""
-    for when in ("before", "between"):
-        try:
-            check(rank, world, when)
-            message = ""
-        except AssertionError as exc:
-            message = str(exc)
-        failed = torch.tensor([int(bool(message))])
-        dist.all_reduce(failed)
-        if failed.item():
-            return message or f"rank {rank}: held here, failed on another rank"
-    return ""
-
-
-def setters_worker(rank: int, world: int, known_differences_path: str) -> None:
+def setters_worker(rank: int, world: int) -> None:
     for name in SETTERS:
         for when in ("before", "between"):
             check_setter(rank, world, name, when)
@@ -459,12 +434,8 @@ def setters_worker(rank: int, world: int, known_differences_path: str) -> None:
         check_prefetch_depth(rank, world, when)
     check_hsdp_accumulation(rank, world)
     check_is_last_backward_before_first_forward(rank, world)
-    outcomes = {name: _known_difference(rank, world, check)
-                for name, check in KNOWN_DIFFERENCES.items()}
-    if rank == 0:
-        with open(known_differences_path, "w") as f:
-            json.dump(outcomes, f)
-    dist.barrier()
+    for when in ("before", "between"):
+        check_empty_backward_prefetch_lists(rank, world, when)
 
 
 def check_is_last_backward_before_first_forward(rank: int, world: int) -> None:
@@ -494,34 +465,9 @@ def check_is_last_backward_before_first_forward(rank: int, world: int) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def setters_run(tmp_path_factory):
-    """The one world-2 run of every distributed case here: (the error it raised, or None;
-    {KNOWN_DIFFERENCES name: its failure message, "" if it held})."""
-    path = tmp_path_factory.mktemp("setters") / "known_differences.json"
-    try:
-        run_distributed(setters_worker, 2, str(path), timeout_s=300)
-    except Exception as exc:  # raised by the test that owns those checks
-        return exc, {}
-    return None, json.loads(path.read_text())
-
-
-def test_setters_change_the_collectives_as_torchs_do(setters_run):
-    error, _ = setters_run
-    if error is not None:
-        raise error
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "fsdp_ext treats set_modules_to_backward_prefetch([]) as 'prefetch nothing' (an explicit "
-    "empty list replaces its depth prefetch); torch's FSDP2 treats an empty list as no list and "
-    "runs its default backward prefetch: blocks.0's backward all-gather is issued at blocks.1's "
-    "pre-backward in torch, at blocks.0's own in fsdp_ext"))
-def test_empty_backward_prefetch_list_keeps_torchs_default_prefetch(setters_run):
-    error, outcomes = setters_run
-    assert error is None, "the shared run failed (test_setters_change_the_collectives_as_torchs_do)"
-    message = outcomes["empty backward prefetch lists"]
-    assert not message, message
+@pytest.mark.parametrize("world_size", [2])
+def test_setters_change_the_collectives_as_torchs_do(world_size):
+    run_distributed(setters_worker, world_size, timeout_s=300)
 
 
 def test_prefetch_depth_on_a_non_root_before_the_first_forward_is_its_own():

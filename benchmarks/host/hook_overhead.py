@@ -78,14 +78,15 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
     from fsdp_ext.runtime import comm, storage_cache
     from fsdp_ext.runtime.schedule import Schedule
     from fsdp_ext.runtime.unit import Unit
+    from fsdp_ext.runtime.unit_params import UnitParams
     pieces = [(Unit, "_pre_forward", "pre-forward hook"),
               (comm.Pending, "wait", "  wait for this unit's all-gather"),
-              (Unit, "use_unsharded_params", "  point the parameters at the gathered views"),
+              (UnitParams, "install_unsharded", "  point the parameters at the gathered views"),
               (Schedule, "prefetch_forward", "  issue the next unit's all-gather"),
               (storage_cache, "fill", "    refill one gathered buffer"),
               (_C, "issue_all_gather", "    submit to the issue thread (C++)"),
               (Unit, "_post_forward", "post-forward hook"),
-              (Unit, "use_sharded_params", "  point the parameters back at the shards")]
+              (UnitParams, "install_sharded", "  point the parameters back at the shards")]
     times: dict[str, list[float]] = {label: [] for _, _, label in pieces}
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in pieces]
     clock = time.perf_counter

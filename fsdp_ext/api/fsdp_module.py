@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from ..runtime import comm
+from ..runtime.forward_methods import run_method
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.unit import Unit
@@ -290,7 +291,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name)
 
     def wrapped(*args, **kwargs):
-        return unit.run_method(method, args, kwargs)
+        return run_method(unit, method, args, kwargs)
 
     wrapped.__wrapped__ = method
     wrapped.__name__ = getattr(method, "__name__", method_name)

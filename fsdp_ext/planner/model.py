@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..runtime.layout import flat_layout, rows_layout
-from ..runtime.unit import DIRECT_MIN_NUMEL
+from ..runtime.param_buckets import DIRECT_MIN_NUMEL
 from ..runtime.schedule_options import ScheduleOptions
 from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
 from .measure import UnitSpec

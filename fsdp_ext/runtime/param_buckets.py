@@ -8,6 +8,7 @@ process group, the user's parameters are replaced by DTensor parameters over thi
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -15,12 +16,35 @@ from torch import nn
 
 from .. import ops
 from . import comm, dtensor_params
+from .deferred_init import materialize_meta_modules
 from .bucket import Bucket, ParamSlot
 from .layout import flat_layout, rows_layout
 from .offload import host_empty
 from .registry import record_replaced, unit_of
 
 OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
+
+# fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
+# elements are gathered directly, the rest together and copied out. Chosen by measurement:
+# docs/benchmarks.md, "Gathering DTensor parameters". The environment variable, or the option
+# of shard_module, overrides it (1: every parameter direct; a huge value: every one copied out).
+DIRECT_MIN_NUMEL = 1 << 16
+DIRECT_MIN_NUMEL_ENV = "FSDP_EXT_DIRECT_MIN_NUMEL"
+
+
+def build_unit_buckets(members: list[nn.Module], groups: comm.Groups, layout: str, mesh,
+                       param_init_fn, ignored: set[int], direct_min_numel: int | None):
+    """A unit's (storage mesh, buckets): its meta parameters materialised first where asked (the
+    flat layout always, with reset_parameters() by default; the rows layout only with
+    `param_init_fn`, else they wait for the user's `to_empty`, as in torch's fully_shard)."""
+    if layout == "flat" or param_init_fn is not None:
+        materialize_meta_modules([m for member in members for m in _owned_modules(member)],
+                                 groups.device, param_init_fn)
+    mesh = (dtensor_params.storage_mesh(mesh, groups.shard, groups.replicate, groups.device)
+            if layout == "rows" else None)
+    direct_min_numel = direct_min_numel or int(
+        os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
+    return mesh, build_buckets(members, groups, layout, mesh, direct_min_numel, ignored)
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
@@ -147,3 +171,13 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
         raise NotImplementedError(
             f"{where} is 0-dimensional: fully_shard shards parameters along dim 0 (Shard(0)); "
             "give it shape [1], or leave it out of the sharded module")
+
+
+def _owned_modules(module: nn.Module) -> list[nn.Module]:
+    """`module` and its descendants, except subtrees that already are units (in module order)."""
+    owned, stack = [], [module]
+    while stack:
+        mod = stack.pop()
+        owned.append(mod)
+        stack.extend(c for c in reversed(list(mod.children())) if unit_of(c) is None)
+    return owned

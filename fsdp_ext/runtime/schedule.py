@@ -158,7 +158,8 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def prefetch_backward(self, unit: Unit, moment: str) -> None:
-        if unit.backward_prefetch_units is not None:  # set_modules_to_backward_prefetch
+        # set_modules_to_backward_prefetch; an empty list is no list (torch's default prefetch)
+        if unit.backward_prefetch_units:
             if moment == "pre":
                 self._prefetch([u for u in unit.backward_prefetch_units if u.unshard_in_backward],
                                explicit=True)
@@ -254,7 +255,7 @@ class Schedule:
         while self.pending_reduce_scatters:
             self.pending_reduce_scatters.popleft().abandon()
         for unit in self.units:
-            unit.drop_gradient_state()
+            unit.params.drop_gradient_state()
         self.finalize_backward()
 
     def reset_iter_state(self) -> None:

@@ -11,36 +11,27 @@ file:
 What it moves is owned elsewhere: the buffers, the all-gather in flight and what the modules hold
 by unit_params.py (gathered by gather.py, the gradients reduced by grads.py), the states by
 unit_state.py (every transition checked there); the user-facing checks are unit_checks.py, the
-adoption of new parameter tensors adopt.py.
+adoption of new parameter tensors adopt.py; list units (`fully_shard([m1, m2])`) are list_unit.py,
+registered forward methods forward_methods.py.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import comm, dtensor_params, gather, unit_checks
+from . import comm, gather, unit_checks
 from .adopt import adopt_params
-from .deferred_init import materialize_meta_modules
 from .grads import reduce_bucket
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
 from .offload import CPUOffloadPolicy
-from .param_buckets import build_buckets
-from .registry import unit_name, unit_of
+from .param_buckets import build_unit_buckets
+from .registry import unit_name
 from .schedule import Schedule
 from .schedule_options import ScheduleOptions
 from .trace import RECORDER, begin_range, end_range, profiler_range, span
 from .unit_params import UnitParams
 from .unit_state import Installed, ShardedState, TrainingState, move
-
-# fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
-# elements are gathered directly, the rest together and copied out. Chosen by measurement:
-# docs/benchmarks.md, "Gathering DTensor parameters". The environment variable, or the option
-# of shard_module, overrides it (1: every parameter direct; a huge value: every one copied out).
-DIRECT_MIN_NUMEL = 1 << 16
-DIRECT_MIN_NUMEL_ENV = "FSDP_EXT_DIRECT_MIN_NUMEL"
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -84,15 +75,8 @@ class Unit:
         self.forward_prefetch_units: list[Unit] | None = None   # explicit lists replace depth
         self.backward_prefetch_units: list[Unit] | None = None
         self.offload = offload
-        if layout == "flat" or param_init_fn is not None:
-            materialize_meta_modules([m for member in self.members for m in _owned_modules(member)],
-                                     groups.device, param_init_fn)
-        self.mesh = (dtensor_params.storage_mesh(mesh, groups.shard, groups.replicate, groups.device)
-                     if layout == "rows" else None)
-        direct_min_numel = direct_min_numel or int(
-            os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
-        self.buckets = build_buckets(self.members, groups, layout, self.mesh, direct_min_numel,
-                                     ignored_params)
+        self.mesh, self.buckets = build_unit_buckets(
+            self.members, groups, layout, mesh, param_init_fn, ignored_params, direct_min_numel)
         self.params = UnitParams(self.name, self.buckets, groups.device, mp.param_dtype, offload)
         # The hooks run eagerly under torch.compile (a graph break at each unit boundary, as
         # torch's FSDP2 skips its hooks): they issue collectives and resize storages, which
@@ -287,24 +271,6 @@ class Unit:
             self._register_pre_backward(output)
         return output
 
-    def run_method(self, method, args, kwargs):
-        """A method registered with register_fsdp_forward_method: the unit's pre-forward, the
-        method (whose own calls of forward do not reshard), the post-forward."""
-        args, kwargs = self._pre_forward(self.module, args, kwargs)
-        self.method_depth += 1
-        try:
-            output = method(*args, **kwargs)
-        except BaseException:
-            self.method_depth -= 1
-            if self.schedule is not None and self.is_root:
-                self.schedule.forward_failed()
-            self.training_state = TrainingState.IDLE
-            self.reshard()
-            raise
-        self.method_depth -= 1
-        result = self._post_forward(self.module, args, kwargs, output)
-        return output if result is None else result
-
     def _input_dtype(self):
         return self.mp.param_dtype if self.mp.cast_forward_inputs else None
 
@@ -387,14 +353,6 @@ class Unit:
         # gathered, stale, by the next forward: they belong to this step only.
         self.params.drop_chunks()
 
-    def drop_gradient_state(self) -> None:
-        """After a failed backward: no_sync accumulation, HSDP partial sums and flags are the
-        failed step's; dropped, not applied."""
-        for state in self.params.states:
-            grads = state.grads
-            grads.unsharded_accumulator, grads.used, grads.nonfinite = None, [], None
-            grads.partial_reduce = None
-
     def abandon_step(self) -> None:
         """reset_iter_state: a forward or a registered method that raised is no longer running."""
         self.wait_unshard()
@@ -409,13 +367,3 @@ def ensure_root(unit: Unit) -> None:
     then forward) finds the root's schedule instead of making a sub-unit a root of its own."""
     if unit.schedule is None or unit.schedule.standalone:
         Schedule.create(unit)
-
-
-def _owned_modules(module: nn.Module) -> list[nn.Module]:
-    """`module` and its descendants, except subtrees that already are units (in module order)."""
-    owned, stack = [], [module]
-    while stack:
-        mod = stack.pop()
-        owned.append(mod)
-        stack.extend(c for c in reversed(list(mod.children())) if unit_of(c) is None)
-    return owned

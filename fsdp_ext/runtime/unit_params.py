@@ -182,6 +182,12 @@ class UnitParams:
         self.installed = Installed.FULL
         _install(slot, tensor)
 
+    def drop_gradient_state(self) -> None:
+        """After a failed backward: no_sync accumulation, HSDP partial sums and flags are the
+        failed step's; dropped, not applied."""
+        for s in self.states:
+            s.grads = BucketGrads()
+
     def params_replaced(self) -> None:
         """adopt_params gave the slots new parameter objects: install them."""
         self.installed = Installed.FULL  # (whatever the modules hold now is not ours)
