@@ -77,13 +77,32 @@ def tp_view(local: torch.Tensor, tp_spec: DTensorSpec) -> DTensor:
                               shape=meta.shape, stride=meta.stride)
 
 
+def _wrap(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
+    """A DTensor of `sharding` whose local tensor is `local`, a view at any offset of a shard.
+
+    DTensor's constructor gives the wrapper the local tensor's storage offset, and the wrapper
+    has no storage: at a nonzero offset its data_ptr() is nonzero, which is how torch's
+    checkpoint stager (dcp.async_save) tells a plain tensor from a wrapper, so it then copies the
+    wrapper's (invalid) storage and fails. Built over a zero-offset view of the same storage (no
+    copy), then given `local`, the wrapper looks as FSDP2's own do."""
+    at_zero = local.as_strided(local.shape, local.stride(), 0)
+    dtensor = DTensor(at_zero, sharding, requires_grad=False)
+    dtensor._local_tensor = local
+    return dtensor
+
+
+def detached(param: DTensor) -> DTensor:
+    """`param.detach()`, its wrapper at offset 0 as `_wrap` makes them."""
+    return _wrap(param._local_tensor.detach(), param._spec)
+
+
 def make_param(local: torch.Tensor, sharding: DTensorSpec, requires_grad: bool) -> nn.Parameter:
-    return nn.Parameter(DTensor(local, sharding, requires_grad=False), requires_grad=requires_grad)
+    return nn.Parameter(_wrap(local, sharding), requires_grad=requires_grad)
 
 
 def as_dtensor(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
     """A DTensor of `sharding` over `local` (a gradient, or an optimizer state, of a parameter)."""
-    return DTensor(local, sharding, requires_grad=False)
+    return _wrap(local, sharding)
 
 
 def set_local(param: torch.Tensor, local: torch.Tensor) -> None:

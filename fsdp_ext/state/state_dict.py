@@ -103,7 +103,15 @@ def _fill_sharded(unit, module: nn.Module, state_dict: dict, prefix: str,
     distributed = dist.is_available() and dist.is_initialized()
     for bucket in unit.buckets:
         if bucket.layout.kind == "rows":
-            continue  # the parameters are DTensors (or, without a process group, full tensors)
+            # The parameters are DTensors (or, without a process group, full tensors): nn.Module's
+            # `param.detach()` would give the wrapper the view's offset into the shard, which
+            # checkpoint stagers take for a storage of its own (dtensor_params.detached).
+            if bucket.distributed:
+                for slot in bucket.slots:
+                    for key in keys[id(slot)]:
+                        if prefix + key in state_dict:
+                            state_dict[prefix + key] = dtensor_params.detached(slot.param)
+            continue
         for index, slot in enumerate(bucket.slots):
             local = slot.param.detach()
             local = local.cpu() if cpu_offload else local
