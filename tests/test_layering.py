@@ -157,22 +157,33 @@ def test_the_check_fails_on_a_planted_upward_import_and_a_planted_loop(tmp_path)
     assert ["fsdp_ext.runtime.registry", "fsdp_ext.runtime.schedule"] in cycles(graph)
 
 
-def _written_attributes(source: str, own: set[str]) -> list[str]:
-    """`line: target` of every assignment to an attribute or item of an object not named in
-    `own` (augmented and annotated assignments included)."""
-    def base(node):
-        while isinstance(node, (ast.Attribute, ast.Subscript)):
-            node = node.value
-        return node.id if isinstance(node, ast.Name) else ""
-    found = []
+def _written_targets(source: str):
+    """(line, target) of every attribute or item assigned to (augmented and annotated
+    assignments and tuple targets included)."""
     for node in ast.walk(ast.parse(source)):
         targets = (node.targets if isinstance(node, ast.Assign) else
                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
         for target in targets:
             for element in (target.elts if isinstance(target, ast.Tuple) else [target]):
-                if isinstance(element, (ast.Attribute, ast.Subscript)) and base(element) not in own:
-                    found.append(f"{node.lineno}: {ast.unparse(element)}")
-    return found
+                if isinstance(element, (ast.Attribute, ast.Subscript)):
+                    yield node.lineno, element
+
+
+def _chain(node) -> list[str]:
+    """The names along an assignment target: `self.schedule.x[0]` -> ['self', 'schedule', 'x']."""
+    names = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+        node = node.value
+    return ([node.id] if isinstance(node, ast.Name) else []) + names[::-1]
+
+
+def _written_attributes(source: str, own: set[str]) -> list[str]:
+    """`line: target` of every assignment to an attribute or item of an object not named in
+    `own`."""
+    return [f"{line}: {ast.unparse(target)}" for line, target in _written_targets(source)
+            if (_chain(target) or [""])[0] not in own]
 
 
 def test_the_schedule_writes_only_its_own_state():
@@ -190,24 +201,7 @@ def test_the_schedule_writes_only_its_own_state():
 
 
 def _chains_written(source: str) -> list[tuple[int, list[str]]]:
-    """(line, dotted chain) of every assignment target: `self.schedule.x[0] = ...` ->
-    ['self', 'schedule', 'x']."""
-    def chain(node) -> list[str]:
-        names = []
-        while isinstance(node, (ast.Attribute, ast.Subscript)):
-            if isinstance(node, ast.Attribute):
-                names.append(node.attr)
-            node = node.value
-        return ([node.id] if isinstance(node, ast.Name) else []) + names[::-1]
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        targets = (node.targets if isinstance(node, ast.Assign) else
-                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-        for target in targets:
-            for element in (target.elts if isinstance(target, ast.Tuple) else [target]):
-                if isinstance(element, (ast.Attribute, ast.Subscript)):
-                    found.append((node.lineno, chain(element)))
-    return found
+    return [(line, _chain(target)) for line, target in _written_targets(source)]
 
 
 def test_units_write_no_schedule_state():

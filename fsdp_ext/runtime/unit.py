@@ -200,9 +200,6 @@ class Unit:
         self.schedule.note_reshard(self)
         RECORDER.add("reshard", self.name)
 
-    def _use_unsharded(self) -> None:
-        self.params.install_unsharded(self)
-
     # ---- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
         schedule = self.schedule
@@ -210,7 +207,7 @@ class Unit:
             schedule = Schedule.create(self)
         if schedule.in_backward():  # recomputation (activation checkpointing) inside backward
             self.unshard(async_op=False)
-            self._use_unsharded()
+            self.params.install_unsharded(self)
             return cast_floating((args, kwargs), self._input_dtype())
         if self.is_root and not self.method_depth:  # not nested in a registered method
             schedule.root_pre_forward()
@@ -223,7 +220,7 @@ class Unit:
         RECORDER.add("forward.begin", self.name)
         self.unshard()
         self.wait_unshard()
-        self._use_unsharded()
+        self.params.install_unsharded(self)
         args_kwargs = cast_floating((args, kwargs), self._input_dtype())
         # Last, so that this thread's work above is done before the next unit's all-gather
         # starts to compete with it for the cores (gloo moves the bytes with CPU time).
@@ -302,7 +299,7 @@ class Unit:
         # they must be the gathered parameters, tracked as in forward so that it saves the same
         # tensors (and, when reentrant, sends the parameters' gradients to post_backward).
         with torch.enable_grad():
-            self._use_unsharded()
+            self.params.install_unsharded(self)
         schedule.prefetch_backward(self, "pre")
         begin_range("backward", self)
         return None
