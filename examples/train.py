@@ -49,7 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", help="a text file to train on (default: this repository's sources)")
     p.add_argument("--checkpoint-dir", help="save the model here (at the end and every --save-every)")
     p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint-dir's latest checkpoint if it has one (a job "
+                        "restarted by torchrun --max-restarts comes back from its last one)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on")
     p.add_argument("--stop-after", type=int, default=0,
                    help="end this run after so many steps (to fit a time slot; resume later)")
     p.add_argument("--profile", action="store_true",
@@ -108,16 +112,26 @@ def shard(model: GPT, args, device: torch.device):
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
-def save_checkpoint(model, optimizer, step: int, directory: str) -> None:
+def save_checkpoint(model, optimizer, step: int, directory: str, losses: list, pending=None,
+                    async_save: bool = False):
     """Sharded model + optimizer state with torch.distributed.checkpoint, published atomically:
-    a crash mid-save leaves the previous checkpoint in place, and any world size can resume it."""
-    fsdp_ext.save_checkpoint(directory, model, optimizer, step)
+    a crash mid-save leaves the previous checkpoint in place, and any world size can resume it.
+    The logged losses go with it (a resumed run's curve is whole). With `async_save` the files
+    are written while training goes on; the previous save (`pending`) is published first."""
+    if pending is not None:
+        pending.result()
+    saved = fsdp_ext.save_checkpoint(directory, model, optimizer, step,
+                                     extra={"losses": list(losses)}, async_save=async_save)
+    return saved if async_save else None
 
 
-def load_checkpoint(model, optimizer, directory: str) -> int:
-    """Load the latest checkpoint into the sharded model and optimizer; returns its step."""
-    step, _ = fsdp_ext.load_checkpoint(directory, model, optimizer)
-    return step
+def load_checkpoint(model, optimizer, directory: str) -> tuple[int, list]:
+    """Load the latest checkpoint into the sharded model and optimizer: its step and the losses
+    logged up to it; (0, []) if there is none yet."""
+    if not os.path.exists(os.path.join(directory, "latest")):
+        return 0, []
+    step, extra = fsdp_ext.load_checkpoint(directory, model, optimizer)
+    return step, list((extra or {}).get("losses", []))
 
 
 # ---- training ---------------------------------------------------------------------------------------
@@ -177,10 +191,12 @@ def main(argv=None) -> None:
     model = shard(model, args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
+    losses: list[tuple[int, float]] = []  # (step, mean loss) at each log
     if args.resume:
-        start = load_checkpoint(model, optimizer, args.checkpoint_dir)
+        start, losses = load_checkpoint(model, optimizer, args.checkpoint_dir)
         if rank == 0:
-            print(f"resumed from {args.checkpoint_dir} at step {start}")
+            print(f"resumed from {args.checkpoint_dir} at step {start}" if start else
+                  f"no checkpoint in {args.checkpoint_dir} yet: starting at step 0")
     train, val = corpus.split(corpus.load_corpus(args.data))
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
     if args.describe:
@@ -200,6 +216,7 @@ def main(argv=None) -> None:
     # Profile the last two steps (never the first: it runs without prefetch).
     profile_at = max(start + 1, end - 2) if args.profile else -1
     profiler, step_times, tokens_per_s, recorded_from = None, [], 0.0, start
+    pending = None  # an async save still being written
     with recording() as events:
         for step in range(start, end):
             if step == start + 1:
@@ -220,16 +237,21 @@ def main(argv=None) -> None:
                 profiler = None
             if (step + 1) % args.log_every == 0 or step + 1 == end:
                 dist.all_reduce(loss)
+                losses.append((step + 1, loss.item() / world))
                 rows = report.gather_floats([*report.memory_mb(device)], device)
                 bar.set_postfix(report.progress_fields(loss.item() / world, tokens_per_s, rows,
                                                        device.type == "cuda"), refresh=False)
             if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
-                save_checkpoint(model, optimizer, step + 1, args.checkpoint_dir)
+                pending = save_checkpoint(model, optimizer, step + 1, args.checkpoint_dir,
+                                          losses, pending, args.async_save)
             bar.update(1)
         bar.close()
         steps_recorded, recorded = end - recorded_from, list(events)
     if args.checkpoint_dir and (not args.save_every or end % args.save_every):
-        save_checkpoint(model, optimizer, end, args.checkpoint_dir)
+        pending = save_checkpoint(model, optimizer, end, args.checkpoint_dir, losses, pending,
+                                  args.async_save)
+    if pending is not None:
+        pending.result()
     val_loss = evaluate(model, val, args, device)
     table = report.summary(step_times, tokens_per_step, recorded, steps_recorded, device,
                            {"validation loss": f"{val_loss:.4f} (bytes held out of training)"})

@@ -1,9 +1,10 @@
 """Distributed checkpoints: sharded model + optimizer state with torch.distributed.checkpoint (DCP).
 
-save_checkpoint: every rank writes its own shards (DCP dedupes replicas) into `.tmp-step-N`; the
-ranks hash what was written; rank 0 writes the manifest and publishes the directory with renames
-(see checkpoint_files). A crash at any point before the last rename leaves `latest` and the
-checkpoint it names untouched.
+save_checkpoint: every rank writes its own shards (DCP dedupes replicas) into `.tmp-step-N`
+(with `async_save`, in the background: the state is staged first, the publication waits for
+`PendingCheckpoint.result()`); the ranks hash what was written; rank 0 writes the manifest and
+publishes the directory with renames (see checkpoint_files). A crash at any point before the last
+rename leaves `latest` and the checkpoint it names untouched.
 
 load_checkpoint: rank 0 resolves the checkpoint, checks the manifest and reads DCP's metadata, and
 broadcasts the outcome, so a missing or damaged checkpoint raises on every rank instead of leaving
@@ -53,55 +54,102 @@ def _rank_world() -> tuple[int, int]:
 
 # ---- save -------------------------------------------------------------------------------------------
 def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    step: int, extra=None) -> str:
+                    step: int, extra=None, async_save: bool = False):
     """Save model and optimizer state as `directory/step-{step}` and point `latest` at it.
 
     Every rank must call it. `extra` (anything `torch.load(weights_only=True)` can read back:
     tensors, numbers, strings, containers) is stored as is and returned by load_checkpoint.
-    Returns the published path.
+    Returns the published path; with `async_save` a PendingCheckpoint at once: the state is
+    staged (copied) before this returns, the files are written in the background while training
+    goes on, and `result()` (every rank, before the next save) waits for them and publishes.
     """
     directory = os.fspath(directory)
-    rank, world = _rank_world()
     on_rank0(lambda: files.prepare_tmp(directory, step))
     tmp = files.tmp_dir(directory, step)
     state = {"model": sharded_state_dict(model)}
     if optimizer is not None:
         state["optim"] = optim_state_dict(model, optimizer, full=False)
-    try:
+    pending = PendingCheckpoint(directory, tmp, step, model, optimizer is not None, extra)
+    with pending.failing():
         with quiet_sharded_tensor():
             # DCP gathers every rank's write result, so a failure anywhere raises everywhere.
+            if async_save:
+                pending.future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp),
+                                                process_group=_async_group())
+                return pending
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
-    except (Exception, CheckpointException) as exc:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving '{tmp}' failed; '{directory}' still holds the previous "
-                              f"checkpoint: {exc}") from exc
-    described, error = {}, None
-    try:
-        names = sorted(os.listdir(tmp))
-        described = files.describe_files(tmp, names[rank::world])
-    except Exception as exc:  # noqa: BLE001 - reported on every rank by all_ok
-        error = exc
-    all_ok(error)
-    every = [described]
-    if world > 1:
-        every = [None] * world
-        dist.all_gather_object(every, described)
+    return pending.result()
 
-    def publish():
-        torch.save(extra, os.path.join(tmp, files.EXTRA))
-        listing = {k: v for d in every for k, v in d.items()}
-        listing.update(files.describe_files(tmp, [files.EXTRA]))
-        manifest = {"format": files.FORMAT, "step": step, "world_size": world,
-                    "has_optimizer": optimizer is not None, "param_shapes": param_shapes(model),
-                    "files": listing}
+
+_ASYNC_GROUP: list = []
+
+
+def _async_group():
+    """A gloo group of the checkpoint's own (torchtitan's async mode): its collectives run on the
+    writer's thread, beside the training's on the default group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files may still be written; `result()` publishes it (every rank)."""
+
+    def __init__(self, directory: str, tmp: str, step: int, model: nn.Module,
+                 has_optimizer: bool, extra):
+        self.directory, self.tmp, self.step = directory, tmp, step
+        self.model, self.has_optimizer, self.extra = model, has_optimizer, extra
+        self.future = None
+        self.path: str | None = None
+
+    @contextlib.contextmanager
+    def failing(self):
         try:
-            return files.publish(directory, step, manifest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # (gone already if the rename happened)
-            raise
+            yield
+        except (Exception, CheckpointException) as exc:
+            if _rank_world()[0] == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointError(f"saving '{self.tmp}' failed; '{self.directory}' still holds "
+                                  f"the previous checkpoint: {exc}") from exc
 
-    return on_rank0(publish)
+    def result(self) -> str:
+        """Wait for the files, hash them, write the manifest and publish; the published path."""
+        if self.path is not None:
+            return self.path
+        if self.future is not None:
+            future, self.future = self.future, None
+            with self.failing():
+                future.result()
+        rank, world = _rank_world()
+        described, error = {}, None
+        try:
+            names = sorted(os.listdir(self.tmp))
+            described = files.describe_files(self.tmp, names[rank::world])
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by all_ok
+            error = exc
+        all_ok(error)
+        every = [described]
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, described)
+
+        def publish():
+            torch.save(self.extra, os.path.join(self.tmp, files.EXTRA))
+            listing = {k: v for d in every for k, v in d.items()}
+            listing.update(files.describe_files(self.tmp, [files.EXTRA]))
+            manifest = {"format": files.FORMAT, "step": self.step, "world_size": world,
+                        "has_optimizer": self.has_optimizer,
+                        "param_shapes": param_shapes(self.model), "files": listing}
+            try:
+                return files.publish(self.directory, self.step, manifest)
+            except BaseException:
+                shutil.rmtree(self.tmp, ignore_errors=True)  # (gone already if renamed)
+                raise
+
+        self.path = on_rank0(publish)
+        return self.path
 
 
 # ---- load -------------------------------------------------------------------------------------------
