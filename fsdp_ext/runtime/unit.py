@@ -98,10 +98,6 @@ class Unit:
 
     # ---- what it is -------------------------------------------------------------------------------
     @property
-    def unit_name(self) -> str:
-        return self.name
-
-    @property
     def reshards_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
             return not self.is_root
@@ -326,7 +322,7 @@ class Unit:
         """Become one of `schedule`'s units, named as the root's module tree names it."""
         self.schedule, self.is_root = schedule, is_root
         self.member_names = member_names
-        self.name = self.params.unit_name = unit_name(member_names)
+        self.name = self.params.name = unit_name(member_names)
 
     def start_step(self) -> None:
         """At the root's pre-forward: users edit models between steps, so the parameters are

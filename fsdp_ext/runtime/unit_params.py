@@ -23,7 +23,7 @@ from . import dtensor_params, gather, storage_cache, streams
 from .bucket import Bucket
 from .grads import BucketGrads
 from .param_buckets import init_sharded_state
-from .unit_state import GATHERED, Installed, ShardedState, move
+from .unit_state import GATHERED, Installed, ShardedState, StateError, move
 
 
 @dataclass(eq=False)
@@ -57,9 +57,9 @@ class _UnshardedViews(torch.autograd.Function):
 
 
 class UnitParams:
-    def __init__(self, unit_name: str, buckets: list[Bucket], device: torch.device,
+    def __init__(self, name: str, buckets: list[Bucket], device: torch.device,
                  param_dtype: torch.dtype | None, offload) -> None:
-        self.unit_name = unit_name       # for messages; the root renames units at lazy init
+        self.name = name                 # the unit's, for messages (the root names units late)
         self.buckets = buckets
         init_sharded_state(buckets, device, offload)
         self.states = []
@@ -133,7 +133,7 @@ class UnitParams:
         """Point every module attribute at a view of the gathered buffers (no copy-out); with
         grad enabled, trainable views come from _UnshardedViews (their backward is `unit`'s)."""
         if self.sharded_state is not ShardedState.UNSHARDED:
-            raise AssertionError(f"unit '{self.unit_name or '<root>'}': parameters installed "
+            raise StateError(f"unit '{self.name or '<root>'}': parameters installed "
                                  f"while {self.sharded_state.name}")
         self.installed = Installed.UNSHARDED
         if not torch.is_grad_enabled():

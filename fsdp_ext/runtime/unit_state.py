@@ -53,8 +53,9 @@ def move(owner, attr: str, new: Enum, allowed: tuple[Enum, ...], what: str) -> N
     """Set `owner.<attr>` to `new` if its current value is one of `allowed`, else raise."""
     current = getattr(owner, attr)
     if current not in allowed:
+        kind = f" ({owner.type_name})" if hasattr(owner, "type_name") else ""
         raise StateError(
-            f"unit '{owner.unit_name or '<root>'}' ({owner.type_name}): {what} found {type(current).__name__}."
+            f"unit '{owner.name or '<root>'}'{kind}: {what} found {type(current).__name__}."
             f"{current.name}, expected one of {', '.join(s.name for s in allowed)} "
             f"(on the way to {new.name})")
     setattr(owner, attr, new)
