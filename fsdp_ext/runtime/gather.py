@@ -54,10 +54,10 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
     record = InFlightGather(None, kind, buckets=buckets, fulls=fulls, name=name)
     if streams_.issue_thread:  # CPU: copy-in and broadcasts off this thread
         targets_, sources_ = [], []
-        for i, (bucket, full) in enumerate(zip(buckets, fulls)):
-            storage_cache.fill(full)
-            targets_.append(targets(bucket, full, world))
-            sources_ += chunks[i] if chunks is not None else sources(bucket, bucket.shard)
+        for i, (bucket, full) in enumerate(zip(buckets, fulls)):  # (host shards read in place)
+            bucket_targets, bucket_sources = _fill(bucket, full, chunks, i, world, offload=False)
+            targets_.append(bucket_targets)
+            sources_ += bucket_sources
         record.copy_out = targets_
         # The tag goes on `group`, issued by this thread; the data on the issue thread's own
         # group: each group's collectives keep one order on every rank.
@@ -73,13 +73,8 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
         the collectives are synchronous; else at `finish()`."""
         works, targets_ = [], []
         for i, (bucket, full) in enumerate(zip(buckets, fulls)):
-            storage_cache.fill(full)
-            if chunks is not None:
-                sources_ = chunks[i]
-            else:
-                shard = to_compute_device(bucket.shard, full.device) if offload else bucket.shard
-                sources_ = sources(bucket, shard)
-            targets_.append(targets(bucket, full, world))
+            bucket_targets, sources_ = _fill(bucket, full, chunks, i, world, offload)
+            targets_.append(bucket_targets)
             with profiler_range("copy_in", name):
                 works += copy_in_and_gather(targets_[-1], sources_, slot, group, async_op)
         if async_op:
@@ -94,6 +89,16 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
         "all_gather", fill_and_gather, keep_alive=[c for cs in chunks or () for c in cs],
         label=label, after_event=after_event, tags=tags)
     return record
+
+
+def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, offload: bool):
+    """Give `full` its storage; (per group, the buffer its collective fills; per group, what this
+    rank contributes: its post-forward chunk, or its shard, copied to the device if offloaded)."""
+    storage_cache.fill(full)
+    if chunks is not None:
+        return targets(bucket, full, world), chunks[index]
+    shard = to_compute_device(bucket.shard, full.device) if offload else bucket.shard
+    return targets(bucket, full, world), sources(bucket, shard)
 
 
 def _copy_out_all(buckets, fulls, targets_, name: str) -> None:

@@ -170,8 +170,10 @@ class UnitParams:
 
     def install_sharded(self) -> None:
         """The sharded parameters become the modules' attributes again (no-op if they are)."""
-        if self.installed is Installed.SHARDED:
-            return
+        if self.installed is not Installed.SHARDED:
+            self._install_sharded()
+
+    def _install_sharded(self) -> None:
         self.installed = Installed.SHARDED
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -190,8 +192,7 @@ class UnitParams:
 
     def params_replaced(self) -> None:
         """adopt_params gave the slots new parameter objects: install them."""
-        self.installed = Installed.FULL  # (whatever the modules hold now is not ours)
-        self.install_sharded()
+        self._install_sharded()
         self._no_grad_views = None
 
 
