@@ -43,6 +43,8 @@ class ParamSlot:
 class Bucket:
     """Flat sharded storage for one (dtype, requires_grad) group of a unit."""
 
+    extension = False  # tensor-subclass parameters (extension.py) have no flat shard
+
     def __init__(self, dtype: torch.dtype, requires_grad: bool, slots: list[ParamSlot],
                  layout: BucketLayout, spec_of=None):
         self.dtype = dtype
@@ -110,11 +112,15 @@ class Bucket:
                 slot.param.data = view
 
     def ensure_grad_shard(self) -> None:
-        if self.grad_shard is None:  # pinned like an offloaded shard, whose grads stay on the host
-            self.grad_shard = torch.zeros_like(self.shard, pin_memory=self.shard.is_pinned())
+        if self.grad_shard is None:
+            self.grad_shard = self.new_grad_shard()
             self.grad_views = self.local_views(self.grad_shard)
             self._grads = [dtensor_params.as_dtensor(view, self.spec_of(i)) if self.distributed
                            else view for i, view in enumerate(self.grad_views)]
+
+    def new_grad_shard(self) -> torch.Tensor:
+        """Zeros like the shard (pinned like an offloaded shard, whose grads stay on the host)."""
+        return torch.zeros_like(self.shard, pin_memory=self.shard.is_pinned())
 
     def release_grad_shard_if_unused(self) -> None:
         """Drop the sharded gradient buffer once no parameter's .grad refers to it.

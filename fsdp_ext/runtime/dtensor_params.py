@@ -84,7 +84,10 @@ def _wrap(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
     has no storage: at a nonzero offset its data_ptr() is nonzero, which is how torch's
     checkpoint stager (dcp.async_save) tells a plain tensor from a wrapper, so it then copies the
     wrapper's (invalid) storage and fails. Built over a zero-offset view of the same storage (no
-    copy), then given `local`, the wrapper looks as FSDP2's own do."""
+    copy), then given `local`, the wrapper looks as FSDP2's own do. A tensor subclass (its
+    own storage-less wrapper, extension.py) is wrapped as it is."""
+    if type(local).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return DTensor(local, sharding, requires_grad=False)
     at_zero = local.as_strided(local.shape, local.stride(), 0)
     dtensor = DTensor(at_zero, sharding, requires_grad=False)
     dtensor._local_tensor = local

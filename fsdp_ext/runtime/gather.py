@@ -53,18 +53,27 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
     kind = "all_gather" if group is not None else "unshard_copy"
     record = InFlightGather(None, kind, buckets=buckets, fulls=fulls, name=name)
     if streams_.issue_thread:  # CPU: copy-in and broadcasts off this thread
-        targets_, sources_ = [], []
+        targets_, sources_, issued_targets, here = [], [], [], []
         for i, (bucket, full) in enumerate(zip(buckets, fulls)):  # (host shards read in place)
-            bucket_targets, bucket_sources = _fill(bucket, full, chunks, i, world, offload=False)
+            bucket_targets, bucket_sources = _fill(bucket, full, chunks, i, world, slot,
+                                                   offload=False)
             targets_.append(bucket_targets)
+            if bucket.extension:  # bytes, which the issue thread's cast kernel does not take
+                here.append((bucket_targets, bucket_sources))
+                continue
+            issued_targets += bucket_targets
             sources_ += bucket_sources
         record.copy_out = targets_
         # The tag goes on `group`, issued by this thread; the data on the issue thread's own
-        # group: each group's collectives keep one order on every rank.
+        # group: each group's collectives keep one order on every rank. Subclass buckets'
+        # bytes go on `group` too, from this thread, right after the tag.
         issued = [t.exchange() for t in tags() if t is not None]
         record.pending = comm.issue_all_gather(
-            [t for ts in targets_ for t in ts], sources_, slot, comm.issue_thread_group(group),
+            issued_targets, sources_, slot, comm.issue_thread_group(group),
             label, streams_.timeout)
+        for bucket_targets, bucket_sources in here:
+            record.pending.works += copy_in_and_gather(bucket_targets, bucket_sources, slot,
+                                                       group, async_op=True)
         record.pending.tags = issued
         return record
 
@@ -73,7 +82,7 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
         the collectives are synchronous; else at `finish()`."""
         works, targets_ = [], []
         for i, (bucket, full) in enumerate(zip(buckets, fulls)):
-            bucket_targets, sources_ = _fill(bucket, full, chunks, i, world, offload)
+            bucket_targets, sources_ = _fill(bucket, full, chunks, i, world, slot, offload)
             targets_.append(bucket_targets)
             with profiler_range("copy_in", name):
                 works += copy_in_and_gather(targets_[-1], sources_, slot, group, async_op)
@@ -91,10 +100,16 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
     return record
 
 
-def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, offload: bool):
+def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, slot: int,
+          offload: bool):
     """Give `full` its storage; (per group, the buffer its collective fills; per group, what this
-    rank contributes: its post-forward chunk, or its shard, copied to the device if offloaded)."""
+    rank contributes: its post-forward chunk, or its shard, copied to the device if offloaded).
+    A subclass bucket: one byte buffer, this rank's slot already filled by its pre-hooks."""
     storage_cache.fill(full)
+    if bucket.extension:
+        staging = bucket.fill_staging(slot, world, full.device)
+        q = staging.numel() // world
+        return [staging], [staging.narrow(0, slot * q, q)]
     if chunks is not None:
         return targets(bucket, full, world), chunks[index]
     shard = to_compute_device(bucket.shard, full.device) if offload else bucket.shard
@@ -130,7 +145,9 @@ def copy_in_and_gather(targets_: list[torch.Tensor], sources_: list[torch.Tensor
     for target, source in zip(targets_, sources_):
         if not target.numel():
             continue
-        if target.dtype in ops.checks.FLOAT_DTYPES:
+        if source.data_ptr() == target.narrow(0, slot * source.numel(), 1).data_ptr():
+            pass  # already in its slot (a subclass bucket's bytes)
+        elif target.dtype in ops.checks.FLOAT_DTYPES:
             ops.cast_into_slot(source, target, slot)
         else:  # (optimizer state of another dtype, gathered for a full state dict)
             target.narrow(0, slot * source.numel(), source.numel()).copy_(source)
@@ -142,7 +159,11 @@ def copy_in_and_gather(targets_: list[torch.Tensor], sources_: list[torch.Tensor
 
 def copy_out(bucket: Bucket, full: torch.Tensor, targets_: list[torch.Tensor]) -> None:
     """Unpack the copied group's staging (a bucket has at most one copied group) into its
-    parameters' places in `full`, one launch, then give the staging back."""
+    parameters' places in `full`, one launch, then give the staging back. A subclass bucket's
+    bytes go to its post-hooks instead (extension.py)."""
+    if bucket.extension:
+        bucket.unpack(targets_[0])
+        return
     for g, staging in zip(bucket.layout.groups, targets_):
         if not g.copied:
             continue

@@ -18,6 +18,7 @@ from .. import ops
 from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import Bucket, ParamSlot
+from .extension import ExtensionBucket, check_hooks, is_extension_tensor
 from .layout import flat_layout, rows_layout
 from .offload import host_empty
 from .registry import record_replaced, unit_of
@@ -55,13 +56,17 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
     slots = _owned_slots(modules, layout, ignored)
     by_key: dict[tuple, list[ParamSlot]] = {}
     for slot in slots:  # visit order: a module's own parameters, then its children's
-        by_key.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
+        extension = is_extension_tensor(dtensor_params.local_of(slot.param))
+        if extension:
+            _check_extension_param(slot, modules[slot.member], layout, mesh)
+        by_key.setdefault((slot.param.dtype, slot.param.requires_grad, extension),
+                          []).append(slot)
     for slot in slots:
         setattr(slot.param, OWNER_ATTR,
                 f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
     buckets = []
     world, rank = groups.shard_size, groups.shard_rank
-    for (dtype, requires_grad), bucket_slots in by_key.items():
+    for (dtype, requires_grad, extension), bucket_slots in by_key.items():
         shapes = [tuple(s.shape) for s in bucket_slots]
         if layout == "flat":
             bucket_layout = flat_layout(shapes, world, rank)
@@ -72,7 +77,8 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
             specs = [dtensor_params.spec_with_tp(mesh, s.tp_spec) if s.tp_spec is not None
                      else dtensor_params.spec(mesh, s.shape, dtype) for s in bucket_slots]
             spec_of = specs.__getitem__
-        buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, spec_of))
+        kind = ExtensionBucket if extension else Bucket
+        buckets.append(kind(dtype, requires_grad, bucket_slots, bucket_layout, spec_of))
     return buckets
 
 
@@ -81,6 +87,12 @@ def init_sharded_state(buckets: list[Bucket], device: torch.device, offload) -> 
     layout: parameters on the meta device stay there (their shard too) until `to_empty`; the
     others become DTensor parameters over the shard."""
     for bucket in buckets:
+        if bucket.extension:  # each parameter's chunk stays its own subclass: no flat shard
+            bucket.init_locals(bucket.layout.world_size, bucket.layout.rank)
+            _replace_with_dtensors(bucket, bucket.shard_views)
+            # (nn.Parameter detaches a subclass: the parameter's local tensor is an alias)
+            bucket.shard_views = [dtensor_params.local_of(s.param) for s in bucket.slots]
+            continue
         meta = bucket.layout.kind == "rows" and any(s.param.is_meta for s in bucket.slots)
         if meta:
             shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device="meta")
@@ -90,13 +102,14 @@ def init_sharded_state(buckets: list[Bucket], device: torch.device, offload) -> 
             shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
         sources = [dtensor_params.local_of(slot.param) for slot in bucket.slots]
         if bucket.distributed:
-            _replace_with_dtensors(bucket, shard)
+            _replace_with_dtensors(bucket, bucket.local_views(shard))
         bucket.init_shard(shard, sources)
 
 
-def _replace_with_dtensors(bucket: Bucket, shard: torch.Tensor) -> None:
-    """The modules' parameters become DTensor parameters over `shard` (same names, attributes)."""
-    for index, (slot, view) in enumerate(zip(bucket.slots, bucket.local_views(shard))):
+def _replace_with_dtensors(bucket: Bucket, views: list[torch.Tensor]) -> None:
+    """The modules' parameters become DTensor parameters over `views`, this rank's part of each
+    (same names, attributes)."""
+    for index, (slot, view) in enumerate(zip(bucket.slots, views)):
         param = dtensor_params.make_param(view, bucket.spec_of(index), slot.param.requires_grad)
         setattr(param, OWNER_ATTR, getattr(slot.param, OWNER_ATTR))
         for module, attr in slot.locations:
@@ -171,6 +184,32 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
         raise NotImplementedError(
             f"{where} is 0-dimensional: fully_shard shards parameters along dim 0 (Shard(0)); "
             "give it shape [1], or leave it out of the sharded module")
+
+
+def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:
+    """What a tensor-subclass parameter needs (extension.py), refused at the call otherwise."""
+    where = f"parameter '{slot.fqn}' of {type(module).__name__}"
+    local = dtensor_params.local_of(slot.param)
+    kind = type(local).__name__
+    check_hooks(local, where)
+    if layout != "rows":
+        raise NotImplementedError(
+            f"{where} is a {kind} (a tensor subclass): FullyShardedDataParallel flattens "
+            "parameters into one buffer, which a subclass cannot join (torch's FSDP1 cannot "
+            "either); shard the model with fully_shard, which gathers it through its "
+            "fsdp_pre_all_gather / fsdp_post_all_gather hooks")
+    if slot.tp_spec is not None:
+        raise NotImplementedError(
+            f"{where} is a tensor-parallel DTensor over a {kind}: fully_shard gathers tensor "
+            "subclasses on a 1-D data-parallel mesh only")
+    if mesh is None:
+        raise NotImplementedError(
+            f"{where} is a {kind} (a tensor subclass): gathering it through its hooks needs a "
+            "process group (torch.distributed.init_process_group) or a device mesh")
+    if slot.param.is_meta:
+        raise NotImplementedError(
+            f"{where} is a {kind} on the meta device: build tensor-subclass parameters "
+            "with their data before fully_shard")
 
 
 def _owned_modules(module: nn.Module) -> list[nn.Module]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import comm, gather, unit_checks
+from . import comm, extension, gather, unit_checks
 from .adopt import adopt_params
 from .grads import reduce_bucket
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
@@ -78,6 +78,8 @@ class Unit:
         self.mesh, self.buckets = build_unit_buckets(
             self.members, groups, layout, mesh, param_init_fn, ignored_params, direct_min_numel)
         self.params = UnitParams(self.name, self.buckets, groups.device, mp.param_dtype, offload)
+        extension.bind(self.buckets, self.mesh, mp, offload, groups.post_forward_size,
+                       self.type_name)
         # The hooks run eagerly under torch.compile (a graph break at each unit boundary, as
         # torch's FSDP2 skips its hooks): they issue collectives and resize storages, which
         # graphs with dynamic shapes cannot hold, and they decide per step what to gather.

@@ -64,7 +64,10 @@ class UnitParams:
         init_sharded_state(buckets, device, offload)
         self.states = []
         for bucket in buckets:
-            full = torch.empty(bucket.full_numel, dtype=param_dtype or bucket.dtype, device=device)
+            # A subclass bucket gathers into tensors of its own (extension.py): its `full` is an
+            # empty anchor that takes it into _UnshardedViews and names the gradients' dtype.
+            numel = 0 if bucket.extension else bucket.full_numel
+            full = torch.empty(numel, dtype=param_dtype or bucket.dtype, device=device)
             streams.free_storage(full)  # allocated when first gathered
             full.requires_grad_(bucket.requires_grad)
             self.states.append(BucketState(bucket, full, full.data))
@@ -83,7 +86,8 @@ class UnitParams:
         return self.sharded_state in GATHERED
 
     def holds_unsharded_memory(self) -> bool:
-        return any(s.full_data.untyped_storage().size() > 0 for s in self.states)
+        return any(s.full_data.untyped_storage().size() > 0
+                   or (s.bucket.extension and s.bucket.holds_memory()) for s in self.states)
 
     # ---- sharded state -----------------------------------------------------------------------
     def take_chunks(self) -> list[list[torch.Tensor]] | None:
@@ -125,6 +129,8 @@ class UnitParams:
                 s.chunks = gather.post_forward_chunks(s.bucket, s.full_data, world, k, index)
         for s in self.states:
             storage_cache.release(s.full_data)
+            if s.bucket.extension:
+                s.bucket.release()
         move(self, "sharded_state", ShardedState.SHARDED_POST_FORWARD if keep_chunks else
              ShardedState.SHARDED, (ShardedState.UNSHARDED,), "reshard")
 
@@ -158,8 +164,10 @@ class UnitParams:
 
     def no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """(module, attribute, view of the gathered buffer) for every parameter, made once under
-        no_grad and kept: the buffers are refilled in their own storages, so views stay valid."""
-        if self._no_grad_views is None:
+        no_grad and kept: the buffers are refilled in their own storages, so views stay valid.
+        Not kept with subclass parameters: a post-hook's `out=` may give the unsharded tensor new
+        attributes (torchao's float8 a new scale), which an earlier alias would not see."""
+        if self._no_grad_views is None or any(b.extension for b in self.buckets):
             with torch.no_grad():
                 self._no_grad_views = [
                     (module, attr, _tp(view, slot))
