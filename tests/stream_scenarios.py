@@ -107,6 +107,13 @@ def tensor_parallel(rank: int, world_size: int) -> None:
     _tp_train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh, 3)
 
 
+def tensor_subclass_params(rank: int, world_size: int) -> None:
+    """Weights of a tensor subclass with FSDP2's all-gather hooks (two dtypes, gathered as bytes,
+    rebuilt by the post-hook): four steps against the unwrapped model."""
+    from . import subclass_recipes
+    subclass_recipes.check_close_to_unwrapped("hilo", rank, world_size, 4)
+
+
 def scenarios(world_size: int) -> list[tuple[str, object]]:
     """(label, fn(rank, world_size)) for every scenario run under the model at `world_size`."""
     out = [(case.name, lambda r, w, case=case: parity.run_case(case, r, w))
@@ -128,7 +135,8 @@ def scenarios(world_size: int) -> list[tuple[str, object]]:
     out += [("activation_checkpointing", activation_checkpointing),
             ("clip_grad_norm_every_step", clip_every_step),
             ("prefetch_depths", prefetch_depths), ("explicit_async_unshard", explicit_async_unshard),
-            ("offload_then_host_update", offload_then_host_update)]
+            ("offload_then_host_update", offload_then_host_update),
+            ("tensor_subclass_params", tensor_subclass_params)]
     if world_size == 4:
         out.append(("fsdp_x_tp", tensor_parallel))
     return out

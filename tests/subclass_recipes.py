@@ -14,11 +14,10 @@ DIM = 64
 
 
 # ---- this suite's own subclass ------------------------------------------------------------------
-class HiLo(torch.Tensor):
-    """An fp32 value stored as a bf16 high part and an fp16 residual. The hooks send both parts
-    (two dtypes, gathered as bytes) and a metadata tuple; the post-hook rebuilds a plain fp32
-    tensor, in place (`out=`) after the first gather. Out-of-place ops see the value; in-place
-    ops (the optimizer's) update the value and split it again; view ops act on both parts."""
+class HiLoNoHooks(torch.Tensor):
+    """An fp32 value stored as a bf16 high part and an fp16 residual. Out-of-place ops see the
+    value; in-place ops (the optimizer's) update the value and split it again; view ops act on
+    both parts. Without FSDP's hooks: gathered as its values."""
 
     _VIEW_OPS = {torch.ops.aten.split.Tensor, torch.ops.aten.slice.Tensor,
                  torch.ops.aten.detach.default, torch.ops.aten.alias.default,
@@ -36,9 +35,9 @@ class HiLo(torch.Tensor):
     def __tensor_flatten__(self):
         return ["hi", "lo"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return HiLo(inner["hi"], inner["lo"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["hi"], inner["lo"])
 
     @staticmethod
     def split_value(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,14 +45,14 @@ class HiLo(torch.Tensor):
         return hi, (value - hi.float()).to(torch.float16)
 
     @classmethod
-    def from_float(cls, value: torch.Tensor) -> "HiLo":
+    def from_float(cls, value: torch.Tensor) -> "HiLoNoHooks":
         return cls(*cls.split_value(value.detach()))
 
     def value(self) -> torch.Tensor:
         return self.hi.float() + self.lo.float()
 
     def __repr__(self):
-        return f"HiLo({self.value()})"
+        return f"{type(self).__name__}({self.value()})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -65,24 +64,30 @@ class HiLo(torch.Tensor):
             his = func(first.hi, *args[1:], **kwargs)
             los = func(first.lo, *args[1:], **kwargs)
             if isinstance(his, (list, tuple)):
-                return [HiLo(h, lo) for h, lo in zip(his, los)]
-            return HiLo(his, los)
+                return [cls(h, lo) for h, lo in zip(his, los)]
+            return cls(his, los)
         if func is torch.ops.aten.new_zeros.default:
             size = args[1]
-            return HiLo(first.hi.new_zeros(size), first.lo.new_zeros(size))
+            return cls(first.hi.new_zeros(size), first.lo.new_zeros(size))
         if func is torch.ops.aten.new_empty.default:
             size = args[1]
-            return HiLo(first.hi.new_empty(size), first.lo.new_empty(size))
-        unwrapped = tree_map_only(HiLo, lambda t: t.value(), (args, kwargs))
+            return cls(first.hi.new_empty(size), first.lo.new_empty(size))
+        unwrapped = tree_map_only(HiLoNoHooks, lambda t: t.value(), (args, kwargs))
         if func._schema.name.endswith("_") or func is torch.ops.aten.copy_.default:
             target = first
             result = func(*unwrapped[0], **unwrapped[1])
-            if isinstance(target, HiLo):
+            if isinstance(target, HiLoNoHooks):
                 hi, lo = cls.split_value(result)
                 target.hi.copy_(hi)
                 target.lo.copy_(lo)
             return target
         return func(*unwrapped[0], **unwrapped[1])
+
+
+class HiLo(HiLoNoHooks):
+    """HiLoNoHooks with FSDP's hooks: both parts travel (two dtypes, gathered as bytes) with a
+    metadata tuple; the post-hook rebuilds a plain tensor, in place (`out=`) after the first
+    gather."""
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         return (self.hi, self.lo), ("hilo", tuple(outer_size))
@@ -97,6 +102,13 @@ class HiLo(torch.Tensor):
                 out.copy_(value)
             return None
         return value, (hi, lo)
+
+
+class HiLoPreHookOnly(HiLoNoHooks):
+    """A subclass that forgot its post-hook."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        return (self.hi, self.lo), None
 
 
 # ---- LoRA over a frozen NF4 base weight --------------------------------------------------------
@@ -180,10 +192,36 @@ def train(recipe: str, model: nn.Module, steps: int, rank: int, world: int) -> l
     return losses
 
 
+def unwrapped_losses(recipe: str, model: nn.Module, steps: int, world: int) -> list[float]:
+    """train()'s steps on one process: the whole global batch at once."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        batches = [inputs(recipe, step, r, world) for r in range(world)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def check_close_to_unwrapped(recipe: str, rank: int, world: int, steps: int) -> None:
+    """fsdp_ext's fully_shard trains `recipe` as the unwrapped model does (the gradients' sum
+    over ranks rounds differently: close, not equal)."""
+    from fsdp_ext import fully_shard
+    sharded = train(recipe, shard(build(recipe), fully_shard), steps, rank, world)
+    single = unwrapped_losses(recipe, build(recipe), steps, world)
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-4, atol=1e-5,
+                               msg=f"{recipe}: {sharded} vs {single}")
+
+
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """The values a (local) subclass tensor stands for, as a plain tensor."""
     tensor = getattr(tensor, "_local_tensor", tensor)
-    if isinstance(tensor, HiLo):
+    if isinstance(tensor, HiLoNoHooks):
         return tensor.value()
     kind = type(tensor).__name__
     if kind == "NF4Tensor":

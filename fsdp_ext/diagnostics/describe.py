@@ -39,6 +39,13 @@ def _dtype(d) -> str:
     return str(d).replace("torch.", "")
 
 
+def _kind(bucket) -> str:
+    if bucket.extension:
+        kinds = sorted({type(v).__name__ for v in bucket.shard_views})
+        return f"tensor subclass {'/'.join(kinds)}, gathered through its hooks as bytes"
+    return "DTensor Shard(0) rows" if bucket.layout.kind == "rows" else "flat"
+
+
 def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], int, int]:
     """Lines for one unit, its sharded bytes and its unsharded (gathered) bytes on this rank."""
     schedule = unit.schedule
@@ -59,13 +66,13 @@ def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], 
     for i, (bucket, full) in enumerate(zip(unit.buckets, unit.params.fulls)):
         layout = bucket.layout
         used = sum(slot.numel for slot in bucket.slots)
-        shard_bytes = bucket.shard_numel * bucket.shard.element_size()
+        shard_bytes = bucket.sharded_bytes()
         full_bytes = bucket.full_numel * full.element_size()
         sharded, unsharded = sharded + shard_bytes, unsharded + full_bytes
         copied = sum(len(g.slots) for g in layout.groups if g.copied)
         lines.append(
             f"  bucket {i}: {_dtype(bucket.dtype)}, requires_grad={bucket.requires_grad}, "
-            f"{len(bucket.slots)} param(s) ({'DTensor Shard(0) rows' if layout.kind == 'rows' else 'flat'}), "
+            f"{len(bucket.slots)} param(s) ({_kind(bucket)}), "
             f"{used:,} elements; {bucket.shard_numel:,} per rank, padding included; "
             f"{len(layout.groups)} all-gather(s), {copied} param(s) copied out")
         lines.append(f"            per rank: sharded {_bytes(shard_bytes)}, unsharded "

@@ -53,7 +53,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     for unit in units:
         unit_full = 0
         for bucket, full in zip(unit.buckets, unit.params.fulls):
-            params += bucket.shard.untyped_storage().nbytes() if bucket.shard is not None else 0
+            params += bucket.sharded_bytes()
             if bucket.grad_shard is not None:
                 grads += bucket.grad_shard.untyped_storage().nbytes()
             unsharded += full.untyped_storage().nbytes()

@@ -49,7 +49,7 @@ def describe_units(model: nn.Module, unit_classes=None) -> list[UnitSpec]:
     if existing:
         return [UnitSpec(u.name or "<root>", u.module,
                          [tuple(s.shape) for b in u.buckets for s in b.slots],
-                         u.buckets[0].shard.element_size() if u.buckets else 4, u.module is model,
+                         u.buckets[0].dtype.itemsize if u.buckets else 4, u.module is model,
                          layout=u.buckets[0].layout.kind if u.buckets else "rows")
                 for u in existing]
     classes = tuple(unit_classes or ())

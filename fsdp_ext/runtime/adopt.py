@@ -23,6 +23,9 @@ def adopt_params(unit) -> None:
                     f"parameter '{slot.fqn}' changed dtype ({bucket.dtype} -> {local.dtype}) "
                     "after fully_shard: cast the model before sharding it")
             slot.param = param
+        if bucket.extension:  # tensor subclasses: the new chunks are the shard (extension.py)
+            bucket.shard_views = locals_
+            continue
         if bucket.shard.is_meta:
             bucket.shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
             bucket.shard_views = bucket.local_views(bucket.shard)

@@ -93,6 +93,9 @@ class ExtensionBucket(Bucket):
 
     def bind(self, mesh, mp_policy, param_dtype) -> None:
         self.mesh, self.mp_policy, self.param_dtype = mesh, mp_policy, param_dtype
+        # per parameter: its pre-hook's arguments (1: mesh; 5: torch's full signature), or 0
+        self.arity = [len(inspect.signature(v.fsdp_pre_all_gather).parameters)
+                      if hasattr(v, "fsdp_pre_all_gather") else 0 for v in self.shard_views]
 
     # ---- sharded state ------------------------------------------------------------------------
     def init_locals(self, world: int, rank: int) -> None:
@@ -117,14 +120,13 @@ class ExtensionBucket(Bucket):
         """Per parameter, what its pre-hook gives to gather (metadata kept for the post-hook)."""
         out = []
         for i, (slot, local) in enumerate(zip(self.slots, self.shard_views)):
-            hook = getattr(local, "fsdp_pre_all_gather", None)
-            if hook is None:
+            if not self.arity[i]:
                 inputs, self.metadata[i] = (local,), None
-            elif len(inspect.signature(hook).parameters) == 1:
-                inputs, self.metadata[i] = hook(self.mesh)
+            elif self.arity[i] == 1:
+                inputs, self.metadata[i] = local.fsdp_pre_all_gather(self.mesh)
             else:
                 shape = torch.Size(slot.shape)
-                inputs, self.metadata[i] = hook(
+                inputs, self.metadata[i] = local.fsdp_pre_all_gather(
                     self.mesh, shape, torch._prims_common.make_contiguous_strides_for(shape),
                     slot.locations[0][0], self.mp_policy)
             padded_rows = self.layout.slots[i].chunk_rows

@@ -119,7 +119,10 @@ def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, sl
 def _copy_out_all(buckets, fulls, targets_, name: str) -> None:
     with profiler_range("copy_out", name):
         for bucket, full, bucket_targets in zip(buckets, fulls, targets_):
-            copy_out(bucket, full, bucket_targets)
+            if bucket.extension:  # its bytes go to its post-hooks (extension.py)
+                bucket.unpack(bucket_targets[0])
+            else:
+                copy_out(bucket, full, bucket_targets)
 
 
 def targets(bucket: Bucket, full: torch.Tensor, world: int) -> list[torch.Tensor]:
@@ -159,11 +162,7 @@ def copy_in_and_gather(targets_: list[torch.Tensor], sources_: list[torch.Tensor
 
 def copy_out(bucket: Bucket, full: torch.Tensor, targets_: list[torch.Tensor]) -> None:
     """Unpack the copied group's staging (a bucket has at most one copied group) into its
-    parameters' places in `full`, one launch, then give the staging back. A subclass bucket's
-    bytes go to its post-hooks instead (extension.py)."""
-    if bucket.extension:
-        bucket.unpack(targets_[0])
-        return
+    parameters' places in `full`, one launch, then give the staging back."""
     for g, staging in zip(bucket.layout.groups, targets_):
         if not g.copied:
             continue

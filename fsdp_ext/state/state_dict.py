@@ -148,7 +148,10 @@ def _fill_full(unit, module: nn.Module, state_dict: dict, prefix: str,
 
 def gather_bucket(unit, bucket, shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather one bucket's `shard` (its parameters' shard, or its gradients') in its own
-    dtype; the full-shape tensors (views of one buffer)."""
+    dtype; the full-shape tensors (views of one buffer). Tensor-subclass parameters: each
+    DTensor's `full_tensor()`, the subclass's own gather (as torch's state-dict helpers do)."""
+    if bucket.extension and shard is bucket.shard:
+        return [slot.param.full_tensor() for slot in bucket.slots]
     device = unit.groups.device  # the collective's device (the shard may be offloaded to the CPU)
     full = torch.empty(bucket.full_numel, dtype=shard.dtype, device=device)
     targets = gather.targets(bucket, full, unit.groups.shard_size)
