@@ -125,13 +125,15 @@ class LoRALinear(nn.Module):
         return linear_nf4(x, self.weight) + x @ self.lora_a.t() @ self.lora_b.t()
 
 
-def build(recipe: str, seed: int = 0) -> nn.Module:
+def build(recipe: str, seed: int = 0, device: str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
     if recipe == "nf4_lora":
-        return nn.Sequential(LoRALinear(torch.randn(4 * DIM, 4 * DIM) / 16), nn.ReLU(),
-                             LoRALinear(torch.randn(4 * DIM, 4 * DIM) / 16))
+        return nn.Sequential(LoRALinear(torch.randn(4 * DIM, 4 * DIM, device=device) / 16),
+                             nn.ReLU(),
+                             LoRALinear(torch.randn(4 * DIM, 4 * DIM, device=device) / 16)
+                             ).to(device)
     model = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(), nn.Linear(2 * DIM, DIM), nn.ReLU(),
-                          nn.Linear(DIM, DIM // 2))
+                          nn.Linear(DIM, DIM // 2)).to(device)
     if recipe == "int8_weight_only":
         from torchao import quantize_
         from torchao.prototype.quantized_training import int8_weight_only_quantized_training
@@ -159,16 +161,18 @@ def shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
     return model
 
 
-def inputs(recipe: str, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(recipe: str, step: int, rank: int, world: int,
+           device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s batch for `rank` (its rows of one global batch)."""
     g = torch.Generator().manual_seed(1000 + step)
     dim = 4 * DIM if recipe == "nf4_lora" else DIM
     out = 4 * DIM if recipe == "nf4_lora" else DIM // 2
     x, y = torch.randn(4 * world, dim, generator=g), torch.randn(4 * world, out, generator=g)
-    return x[4 * rank:4 * (rank + 1)], y[4 * rank:4 * (rank + 1)]
+    return x[4 * rank:4 * (rank + 1)].to(device), y[4 * rank:4 * (rank + 1)].to(device)
 
 
-def train(recipe: str, model: nn.Module, steps: int, rank: int, world: int) -> list[float]:
+def train(recipe: str, model: nn.Module, steps: int, rank: int, world: int,
+          device: str = "cpu") -> list[float]:
     """AdamW steps on `rank`'s share of each batch; the mean loss over ranks per step. The RNG is
     seeded alike before training (int8 weight-only updates round stochastically)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -176,7 +180,7 @@ def train(recipe: str, model: nn.Module, steps: int, rank: int, world: int) -> l
     torch.manual_seed(7 + rank)
     losses = []
     for step in range(steps):
-        x, y = inputs(recipe, step, rank, world)
+        x, y = inputs(recipe, step, rank, world, device)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()

@@ -98,3 +98,29 @@ def no_host_sync_worker(rank: int, world_size: int) -> None:
 
 def test_steady_state_step_has_no_host_sync():
     run_distributed(no_host_sync_worker, min(torch.cuda.device_count(), 2), backend="nccl")
+
+
+def subclass_recipes_worker(rank: int, world_size: int) -> None:
+    """The tensor-subclass recipes (tests/subclass_recipes.py: torchao's int8 and float8
+    training with float8 all-gather and the precomputed scale, NF4 + LoRA, a two-dtype subclass)
+    on the GPU: fsdp_ext's fully_shard gives torch's losses and shards, bit for bit."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from . import subclass_recipes as recipes
+    device = f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    for recipe in recipes.RECIPES:
+        results = []
+        for fully_shard in (torch_fully_shard, fsdp_ext.fully_shard):
+            model = recipes.shard(recipes.build(recipe, device=device), fully_shard)
+            losses = recipes.train(recipe, model, 4, rank, world_size, device)
+            results.append((losses, [recipes.plain(p) for p in model.parameters()]))
+        (their_losses, theirs), (our_losses, ours) = results
+        assert our_losses == their_losses, (recipe, our_losses, their_losses)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), recipe
+    dist.barrier()
+
+
+def test_subclass_recipes_on_cuda():
+    pytest.importorskip("torchao")
+    run_distributed(subclass_recipes_worker, min(torch.cuda.device_count(), 2), backend="nccl")
