@@ -229,3 +229,30 @@ def _worker(rank: int, world: int, directory: str) -> None:
 
 def test_subclass_parameters_train_as_with_torch_fully_shard(tmp_path):
     run_distributed(_worker, 2, str(tmp_path), timeout_s=600)
+
+
+def _hsdp_worker(rank: int, world: int) -> None:
+    """HSDP on a (replicate, shard) = (2, 2) mesh: torch's results bit for bit; and
+    reshard_after_forward=int refused at the call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_ext import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for recipe in ("int8_weight_only", "nf4_lora", "hilo"):
+        results = []
+        for fs in (torch_fully_shard, fully_shard):
+            model = recipes.shard(recipes.build(recipe), fs, mesh=mesh)
+            losses = recipes.train(recipe, model, 3, rank, world)
+            results.append((losses, [recipes.plain(p) for p in model.parameters()]))
+        (their_losses, theirs), (our_losses, ours) = results
+        assert our_losses == their_losses, (recipe, our_losses, their_losses)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), recipe
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight'.*reshard_after_forward"):
+        fully_shard(recipes.build("hilo")[0], reshard_after_forward=2)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_subclass_parameters_under_hsdp():
+    run_distributed(_hsdp_worker, 4, timeout_s=600)
