@@ -25,6 +25,11 @@ TORCH_LIBRARY(fsdp_ext, m) {
   m.def("cast_into_slot(Tensor shard, Tensor(a!) gathered, int slot) -> ()");
   // out = cast((out if accumulate else 0) + reduced * scale), in fp32: the gradient epilogue.
   m.def("grad_epilogue(Tensor reduced, Tensor(a!) out, float scale, bool accumulate) -> ()");
+  // Block-quantized collectives (CommPolicy): a slot of n values is n codes (int8, or
+  // float8_e4m3fn with fp8=True) and one fp32 scale per `block` values (reference.py).
+  m.def("quantize_into_slot(Tensor src, Tensor(a!) wire, int slot, int block, bool fp8) -> ()");
+  m.def("dequantize_slots(Tensor wire, Tensor(a!) out, int world, int block, bool fp8) -> ()");
+  m.def("dequantize_sum(Tensor wire, Tensor(a!) out, int world, int block, bool fp8) -> ()");
 }
 
 // Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself

@@ -65,7 +65,8 @@ class FullyShardedDataParallel(nn.Module):
                  mixed_precision: MixedPrecision | None = None, ignored_modules=None,
                  param_init_fn=None, device_id=None, sync_module_states: bool = False,
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
-                 use_orig_params: bool = False, ignored_states=None, device_mesh=None):
+                 use_orig_params: bool = False, ignored_states=None, device_mesh=None,
+                 comm_policy=None):
         super().__init__()
         if process_group is None and device_mesh is None:
             default_group.ensure_for_fsdp1()
@@ -99,7 +100,7 @@ class FullyShardedDataParallel(nn.Module):
                       ignored_params=skipped_params,
                       forward_prefetch=1 if forward_prefetch else 0,
                       backward_prefetch=0 if prefetch_at is None else 1,
-                      limit_in_flight=limit_all_gathers)
+                      limit_in_flight=limit_all_gathers, comm_policy=comm_policy)
         root_kwargs = dict(sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
                            mixed_precision=mixed_precision)
 

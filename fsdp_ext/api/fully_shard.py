@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
 from ..runtime import comm
+from ..runtime.comm_policy import check_policy
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.list_unit import ListUnit
@@ -81,7 +82,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                 dp_mesh_dims=None, process_group=None, param_init_fn=None,
                 forward_prefetch: int = 1, backward_prefetch: int = 1, limit_in_flight: bool = True,
                 collective_timeout: float | None = None,
-                check_finite_grads: bool | None = None) -> nn.Module:
+                check_finite_grads: bool | None = None, comm_policy=None) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a sharded submodule) as one unit;
     a list of modules is one unit (one all-gather and one reduce-scatter for all of them), as in
     torch. Returns its argument.
@@ -123,6 +124,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         check_finite_grads: raise NonFiniteGradientError naming the unit, parameter and rank as
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
+        comm_policy: fsdp_ext extension: a CommPolicy putting fewer bytes on the wire (int8 or
+            fp8 parameter all-gathers, int8 or bf16 gradient reductions; runtime/comm_policy.py).
+            None (default): the root's, if it has one; else exact.
     """
     if dp_mesh_dims is not None:
         raise NotImplementedError(
@@ -139,7 +143,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         param_init_fn=param_init_fn,
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
         limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
-        check_finite_grads=check_finite_grads)
+        check_finite_grads=check_finite_grads, comm_policy=comm_policy)
 
 
 def _members(module) -> list[nn.Module]:
@@ -180,7 +184,7 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
                  forward_prefetch: int = 1, backward_prefetch: int = 1,
                  limit_in_flight: bool = True, collective_timeout: float | None = None,
                  check_finite_grads: bool | None = None,
-                 direct_min_numel: int | None = None) -> nn.Module:
+                 direct_min_numel: int | None = None, comm_policy=None) -> nn.Module:
     """fully_shard's work, for both public APIs: `layout` "rows" (fully_shard: DTensor
     parameters) or "flat" (FullyShardedDataParallel: FSDP1's flat views); the option objects are
     already read (api/options.py). `direct_min_numel` (rows: which parameters are gathered
@@ -215,11 +219,14 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
     schedule_options = ScheduleOptions(
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
         limit_in_flight=limit_in_flight, collective_timeout=collective_timeout)
+    comm_policy = check_policy(comm_policy, mp_policy,
+                               f"fully_shard({type(members[0]).__name__})")
     unit_class = ListUnit if len(members) > 1 else Unit
     unit = unit_class(members, groups, mp_policy, reshard_after_forward, schedule_options,
                       offload_policy, param_init_fn, layout=layout, mesh=mesh,
                       ignored_params={id(p) for p in ignored_params or ()},
-                      check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel)
+                      check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel,
+                      comm_policy=comm_policy)
     for member in members:
         member.__dict__[UNIT_ATTR] = unit
         install_state_dict_hooks(member)

@@ -120,3 +120,44 @@ def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
     checks.check_grad_epilogue(reduced, out)
     impl = _triton() if backend == "triton" else reference
     impl.grad_epilogue(reduced, out, float(scale), bool(accumulate))
+
+
+# ---- block-quantized collectives (CommPolicy; layout and arithmetic: reference.py) ---------------
+slot_bytes = reference.slot_bytes
+
+
+def quantize_into_slot(src: torch.Tensor, wire: torch.Tensor, slot: int, block: int, fmt: str,
+                       backend: str | None = None) -> None:
+    """Quantize `src` block-wise into slot `slot` of the byte buffer `wire` (see
+    reference.quantize_into_slot)."""
+    backend = _resolve(backend, wire.device)
+    checks.check_quantized(src.numel(), wire, slot + 1, block, fmt, src.dtype)
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.quantize_into_slot.default(src, wire, int(slot), int(block),
+                                                      fmt == "fp8")
+        return
+    reference.quantize_into_slot(src, wire, int(slot), int(block), fmt)
+
+
+def dequantize_slots(wire: torch.Tensor, out: torch.Tensor, world: int, block: int, fmt: str,
+                     backend: str | None = None) -> None:
+    """out[r * n:(r + 1) * n] = dequantized slot r of `wire` (see reference.dequantize_slots)."""
+    backend = _resolve(backend, wire.device)
+    checks.check_quantized(out.numel() // max(world, 1), wire, world, block, fmt, out.dtype)
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.dequantize_slots.default(wire, out, int(world), int(block),
+                                                    fmt == "fp8")
+        return
+    reference.dequantize_slots(wire, out, int(world), int(block), fmt)
+
+
+def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, world: int, block: int, fmt: str,
+                   backend: str | None = None) -> None:
+    """out = the fp32 sum of the W dequantized slots of `wire` (see reference.dequantize_sum)."""
+    backend = _resolve(backend, wire.device)
+    checks.check_quantized(out.numel(), wire, world, block, fmt, out.dtype)
+    if backend in ("cpp", "cuda"):
+        torch.ops.fsdp_ext.dequantize_sum.default(wire, out, int(world), int(block),
+                                                  fmt == "fp8")
+        return
+    reference.dequantize_sum(wire, out, int(world), int(block), fmt)

@@ -71,3 +71,17 @@ def check_grad_epilogue(reduced: torch.Tensor, out: torch.Tensor) -> None:
     _check_tensor(out, "out", out.device)
     _check(reduced.numel() == out.numel(),
            f"reduced has {reduced.numel()} elements but out has {out.numel()}")
+
+
+def check_quantized(n: int, wire: torch.Tensor, slots: int, block: int, fmt: str,
+                    dtype: torch.dtype) -> None:
+    """A quantized collective's byte buffer holds `slots` slots of n values (reference.py)."""
+    from .reference import QUANT_FORMATS, slot_bytes
+    _check(fmt in QUANT_FORMATS, f"fmt: {fmt!r} is not one of {tuple(QUANT_FORMATS)}")
+    _check(block > 0 and block % 8 == 0, f"block: {block} is not a positive multiple of 8")
+    _check(dtype in FLOAT_DTYPES, f"values: dtype {dtype} is not one of fp32/bf16/fp16")
+    _check(wire.dtype == torch.uint8 and wire.dim() == 1 and wire.is_contiguous(),
+           "wire: must be a contiguous 1-D uint8 tensor")
+    _check(wire.numel() >= slots * slot_bytes(n, block),
+           f"wire: {wire.numel()} bytes, {slots} slot(s) of {n} values need "
+           f"{slots * slot_bytes(n, block)}")

@@ -44,6 +44,7 @@ class Bucket:
     """Flat sharded storage for one (dtype, requires_grad) group of a unit."""
 
     extension = False  # tensor-subclass parameters (extension.py) have no flat shard
+    comm_policy = None  # its unit's CommPolicy once resolved (comm_policy.py), if it has one
 
     def __init__(self, dtype: torch.dtype, requires_grad: bool, slots: list[ParamSlot],
                  layout: BucketLayout, spec_of=None):

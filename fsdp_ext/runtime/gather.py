@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from . import comm, storage_cache
+from . import comm, quantized_comm, storage_cache
 from .bucket import Bucket
 from .offload import to_compute_device
 from .trace import profiler_range
@@ -55,18 +55,18 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
     if streams_.issue_thread:  # CPU: copy-in and broadcasts off this thread
         targets_, sources_, issued_targets, here = [], [], [], []
         for i, (bucket, full) in enumerate(zip(buckets, fulls)):  # (host shards read in place)
-            bucket_targets, bucket_sources = _fill(bucket, full, chunks, i, world, slot,
-                                                   offload=False)
-            targets_.append(bucket_targets)
-            if bucket.extension:  # bytes, which the issue thread's cast kernel does not take
-                here.append((bucket_targets, bucket_sources))
-                continue
+            bucket_targets, bucket_sources, entry = _fill(bucket, full, chunks, i, world, slot,
+                                                          group, offload=False)
+            targets_.append(entry)
+            if bucket_targets and bucket_targets[0].dtype == torch.uint8:  # bytes (subclass or quantized buckets),
+                here.append((bucket_targets, bucket_sources))  # which the issue thread's cast
+                continue                                        # kernel does not take
             issued_targets += bucket_targets
             sources_ += bucket_sources
         record.copy_out = targets_
         # The tag goes on `group`, issued by this thread; the data on the issue thread's own
-        # group: each group's collectives keep one order on every rank. Subclass buckets'
-        # bytes go on `group` too, from this thread, right after the tag.
+        # group: each group's collectives keep one order on every rank. Byte buffers go on
+        # `group` too, from this thread, right after the tag.
         issued = [t.exchange() for t in tags() if t is not None]
         record.pending = comm.issue_all_gather(
             issued_targets, sources_, slot, comm.issue_thread_group(group),
@@ -82,10 +82,11 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
         the collectives are synchronous; else at `finish()`."""
         works, targets_ = [], []
         for i, (bucket, full) in enumerate(zip(buckets, fulls)):
-            bucket_targets, sources_ = _fill(bucket, full, chunks, i, world, slot, offload)
-            targets_.append(bucket_targets)
+            bucket_targets, sources_, entry = _fill(bucket, full, chunks, i, world, slot, group,
+                                                    offload)
+            targets_.append(entry)
             with profiler_range("copy_in", name):
-                works += copy_in_and_gather(targets_[-1], sources_, slot, group, async_op)
+                works += copy_in_and_gather(bucket_targets, sources_, slot, group, async_op)
         if async_op:
             record.copy_out = targets_
         else:
@@ -100,20 +101,32 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
     return record
 
 
-def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, slot: int,
+def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, slot: int, group,
           offload: bool):
     """Give `full` its storage; (per group, the buffer its collective fills; per group, what this
-    rank contributes: its post-forward chunk, or its shard, copied to the device if offloaded).
-    A subclass bucket: one byte buffer, this rank's slot already filled by its pre-hooks."""
+    rank contributes: its post-forward chunk, or its shard, copied to the device if offloaded;
+    what the copy-out takes: those buffers, or the quantized gathers that fill them).
+    A subclass bucket: one byte buffer, this rank's slot already filled by its pre-hooks. A
+    CommPolicy's param_gather: per group a byte buffer, this rank's slot already quantized (not
+    for a local copy, nor a regather from post-forward chunks, which hold gathered values)."""
     storage_cache.fill(full)
     if bucket.extension:
         staging = bucket.fill_staging(slot, world, full.device)
         q = staging.numel() // world
-        return [staging], [staging.narrow(0, slot * q, q)]
+        return [staging], [staging.narrow(0, slot * q, q)], [staging]
     if chunks is not None:
-        return targets(bucket, full, world), chunks[index]
+        out = targets(bucket, full, world)
+        return out, chunks[index], out
     shard = to_compute_device(bucket.shard, full.device) if offload else bucket.shard
-    return targets(bucket, full, world), sources(bucket, shard)
+    policy = bucket.comm_policy
+    if policy is not None and policy.param_gather is not None and group is not None:
+        gathers = quantized_comm.quantize_for_gather(
+            targets(bucket, full, world), sources(bucket, shard), slot, world, policy)
+        wires = [g.wire for g in gathers]
+        return wires, [w.narrow(0, slot * (w.numel() // world), w.numel() // world)
+                       for w in wires], gathers
+    out = targets(bucket, full, world)
+    return out, sources(bucket, shard), out
 
 
 def _copy_out_all(buckets, fulls, targets_, name: str) -> None:
@@ -121,8 +134,10 @@ def _copy_out_all(buckets, fulls, targets_, name: str) -> None:
         for bucket, full, bucket_targets in zip(buckets, fulls, targets_):
             if bucket.extension:  # its bytes go to its post-hooks (extension.py)
                 bucket.unpack(bucket_targets[0])
-            else:
-                copy_out(bucket, full, bucket_targets)
+                continue
+            if bucket_targets and isinstance(bucket_targets[0], quantized_comm.QuantizedGather):
+                bucket_targets = [g.finish() for g in bucket_targets]  # dequantized into place
+            copy_out(bucket, full, bucket_targets)
 
 
 def targets(bucket: Bucket, full: torch.Tensor, world: int) -> list[torch.Tensor]:

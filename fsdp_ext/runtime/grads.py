@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from . import comm, finite, storage_cache
+from . import comm, finite, quantized_comm, storage_cache
 from .bucket import Bucket
 from .mixed_precision import divide_factors
 from .offload import copy_to_host, to_host
@@ -68,7 +68,12 @@ def reduce_bucket(unit, index: int, grads) -> None:
     state = unit.params.states[index].grads
     used = [g is not None for g in grads]
     state.used = [a or b for a, b in zip(state.used, used)] if state.used else used
+    policy = bucket.comm_policy
     reduce_dtype = unit.mp.reduce_dtype or full.dtype
+    if policy is not None and policy.grad_reduce == "bf16":  # CommPolicy: bf16 on the wire
+        reduce_dtype = torch.bfloat16
+    quantized = (policy is not None and policy.grad_reduce == "int8"
+                 and groups.reduce_scatter is not None)
     pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
     device = full.device
     if unit.check_finite_grads:  # off by default: no cost beyond this lookup
@@ -97,8 +102,13 @@ def reduce_bucket(unit, index: int, grads) -> None:
             flat.add_(accumulator)
         # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
         # blocking reduce-scatter and an asynchronous all-reduce.
-        pieces, works = comm.reduce_scatter_groups(
-            flat, bucket.layout, groups.reduce_scatter, async_op and groups.replicate is None)
+        blocking = not async_op or groups.replicate is not None
+        if quantized:
+            pieces, works = quantized_comm.reduce_scatter_quantized(
+                flat, bucket.layout, groups.reduce_scatter, not blocking, policy)
+        else:
+            pieces, works = comm.reduce_scatter_groups(
+                flat, bucket.layout, groups.reduce_scatter, not blocking)
         if partial is not None:  # on the collective's stream, after the reduce-scatter
             for piece, earlier in zip(pieces, partial):
                 piece.add_(earlier)

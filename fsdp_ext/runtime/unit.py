@@ -51,7 +51,8 @@ class Unit:
                  reshard_after_forward: bool | int | None, options: ScheduleOptions,
                  offload: CPUOffloadPolicy | None = None, param_init_fn=None,
                  layout: str = "flat", mesh=None, ignored_params: set[int] = frozenset(),
-                 check_finite_grads: bool = False, direct_min_numel: int | None = None):
+                 check_finite_grads: bool = False, direct_min_numel: int | None = None,
+                 comm_policy=None):
         self.members = list(module) if isinstance(module, (list, tuple)) else [module]
         self.module = self.members[0]    # the unit's module (a list's first)
         self.groups = groups
@@ -75,6 +76,7 @@ class Unit:
         self.forward_prefetch_units: list[Unit] | None = None   # explicit lists replace depth
         self.backward_prefetch_units: list[Unit] | None = None
         self.offload = offload
+        self.comm_policy = comm_policy   # its own CommPolicy, or None: the root's (at join)
         self.mesh, self.buckets = build_unit_buckets(
             self.members, groups, layout, mesh, param_init_fn, ignored_params, direct_min_numel)
         self.params = UnitParams(self.name, self.buckets, groups.device, mp.param_dtype, offload)
@@ -325,6 +327,10 @@ class Unit:
         self.schedule, self.is_root = schedule, is_root
         self.member_names = member_names
         self.name = self.params.name = unit_name(member_names)
+        policy = self.comm_policy if self.comm_policy is not None else schedule.root.comm_policy
+        for bucket in self.buckets:  # (subclass buckets gather what their hooks give, exactly)
+            if not bucket.extension:
+                bucket.comm_policy = policy if policy is not None and policy.active else None
 
     def start_step(self) -> None:
         """At the root's pre-forward: users edit models between steps, so the parameters are
