@@ -26,10 +26,13 @@ TORCH_LIBRARY(fsdp_ext, m) {
   // out = cast((out if accumulate else 0) + reduced * scale), in fp32: the gradient epilogue.
   m.def("grad_epilogue(Tensor reduced, Tensor(a!) out, float scale, bool accumulate) -> ()");
   // Block-quantized collectives (CommPolicy): a slot of n values is n codes (int8, or
-  // float8_e4m3fn with fp8=True) and one fp32 scale per `block` values (reference.py).
-  m.def("quantize_into_slot(Tensor src, Tensor(a!) wire, int slot, int block, bool fp8) -> ()");
-  m.def("dequantize_slots(Tensor wire, Tensor(a!) out, int world, int block, bool fp8) -> ()");
-  m.def("dequantize_sum(Tensor wire, Tensor(a!) out, int world, int block, bool fp8) -> ()");
+  // float8_e4m3fn with fp8=True) and one fp32 scale per block, block b starting at starts[b]
+  // (reference.py).
+  m.def("quantize_into(Tensor src, Tensor(a!) slot, Tensor starts, bool fp8) -> ()");
+  m.def("dequantize_from(Tensor slot, Tensor(a!) out, Tensor starts, bool fp8) -> ()");
+  m.def(
+      "dequantize_sum(Tensor wire, Tensor(a!) out, Tensor starts, int world, int stride, "
+      "bool fp8) -> ()");
 }
 
 // Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself

@@ -17,13 +17,15 @@ namespace fsdp_ext {
 
 FSDP_EXT_HOST_DEVICE int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
 
-FSDP_EXT_HOST_DEVICE int64_t quant_blocks(int64_t n, int64_t block) {
-  return (n + block - 1) / block;
+// Bytes of one slot of n values in nblocks blocks.
+FSDP_EXT_HOST_DEVICE int64_t quant_slot_bytes(int64_t n, int64_t nblocks) {
+  return align16(align16(n) + 4 * nblocks);
 }
 
-// Bytes of one rank's slot of n values.
-FSDP_EXT_HOST_DEVICE int64_t quant_slot_bytes(int64_t n, int64_t block) {
-  return align16(align16(n) + 4 * quant_blocks(n, block));
+// [first, end) of block b of `starts` (nblocks sorted offsets, the first 0) over n values.
+FSDP_EXT_HOST_DEVICE int64_t block_end(const int64_t* starts, int64_t nblocks, int64_t n,
+                                       int64_t b) {
+  return b + 1 < nblocks ? starts[b + 1] : n;
 }
 
 FSDP_EXT_HOST_DEVICE float div_rn(float a, float b) {
@@ -49,12 +51,13 @@ FSDP_EXT_HOST_DEVICE float code_to_float(uint8_t code) {
   }
 }
 
-// Quantize block b (values [b * block, min((b + 1) * block, n))) of src into `slot`.
+// Quantize block b (values [starts[b], next start or n)) of src into `slot`.
 template <class Src, bool kFp8>
 FSDP_EXT_HOST_DEVICE void quantize_block(const typename Src::storage* src, int64_t n,
-                                         int64_t block, int64_t b, uint8_t* slot) {
-  const int64_t first = b * block;
-  const int64_t count = min_i64(block, n - first);
+                                         const int64_t* starts, int64_t nblocks, int64_t b,
+                                         uint8_t* slot) {
+  const int64_t first = starts[b];
+  const int64_t count = block_end(starts, nblocks, n, b) - first;
   float amax = 0.0f;
   bool finite = true;
   for (int64_t i = 0; i < count; ++i) {
@@ -80,11 +83,11 @@ FSDP_EXT_HOST_DEVICE void quantize_block(const typename Src::storage* src, int64
   }
 }
 
-// Value i of a slot of n values, dequantized to fp32.
+// Value i (of block b) of a slot of n values, dequantized to fp32.
 template <bool kFp8>
-FSDP_EXT_HOST_DEVICE float dequantized_value(const uint8_t* slot, int64_t n, int64_t block,
+FSDP_EXT_HOST_DEVICE float dequantized_value(const uint8_t* slot, int64_t n, int64_t b,
                                              int64_t i) {
-  return mul_rn(code_to_float<kFp8>(slot[i]), load_scale(slot, n, block == 0 ? 0 : i / block));
+  return mul_rn(code_to_float<kFp8>(slot[i]), load_scale(slot, n, b));
 }
 
 }  // namespace fsdp_ext

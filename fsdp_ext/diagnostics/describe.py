@@ -46,6 +46,17 @@ def _kind(bucket) -> str:
     return "DTensor Shard(0) rows" if bucket.layout.kind == "rows" else "flat"
 
 
+def _wire(unit: Unit) -> str:
+    """The unit's CommPolicy: its own, the root's once resolved, or exact."""
+    policy = unit.comm_policy
+    if policy is None and unit.schedule is not None:
+        policy = unit.schedule.root.comm_policy
+        return f"{policy.describe()} (the root's)" if policy is not None else "exact"
+    if policy is None:
+        return "exact, or the root's CommPolicy (known at the first forward)"
+    return policy.describe()
+
+
 def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], int, int]:
     """Lines for one unit, its sharded bytes and its unsharded (gathered) bytes on this rank."""
     schedule = unit.schedule
@@ -58,7 +69,8 @@ def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], 
     else:
         keep = "freed"
     lines = [f"unit '{name or 'root'}' ({unit.type_name}): "
-             f"{len(unit.buckets)} bucket(s); after forward: {keep}"]
+             f"{len(unit.buckets)} bucket(s); after forward: {keep}; on the wire: "
+             f"{_wire(unit)}"]
     module_names = {id(m): n if len(paths) == 1 else _joined(path, n)
                     for member, path in zip(unit.members, paths)
                     for n, m in member.named_modules(remove_duplicate=False)}

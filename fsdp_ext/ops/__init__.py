@@ -126,38 +126,37 @@ def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
 slot_bytes = reference.slot_bytes
 
 
-def quantize_into_slot(src: torch.Tensor, wire: torch.Tensor, slot: int, block: int, fmt: str,
-                       backend: str | None = None) -> None:
-    """Quantize `src` block-wise into slot `slot` of the byte buffer `wire` (see
-    reference.quantize_into_slot)."""
-    backend = _resolve(backend, wire.device)
-    checks.check_quantized(src.numel(), wire, slot + 1, block, fmt, src.dtype)
+def quantize_into(src: torch.Tensor, slot: torch.Tensor, starts: torch.Tensor, fmt: str,
+                  backend: str | None = None) -> None:
+    """Quantize `src` into the bytes `slot`, one scale per block of `starts` (see
+    reference.quantize_into)."""
+    backend = _resolve(backend, slot.device)
+    checks.check_quantized(src.numel(), slot, starts, fmt, src.dtype, 1, 0)
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.quantize_into_slot.default(src, wire, int(slot), int(block),
-                                                      fmt == "fp8")
+        torch.ops.fsdp_ext.quantize_into.default(src, slot, starts, fmt == "fp8")
         return
-    reference.quantize_into_slot(src, wire, int(slot), int(block), fmt)
+    reference.quantize_into(src, slot, starts, fmt)
 
 
-def dequantize_slots(wire: torch.Tensor, out: torch.Tensor, world: int, block: int, fmt: str,
-                     backend: str | None = None) -> None:
-    """out[r * n:(r + 1) * n] = dequantized slot r of `wire` (see reference.dequantize_slots)."""
-    backend = _resolve(backend, wire.device)
-    checks.check_quantized(out.numel() // max(world, 1), wire, world, block, fmt, out.dtype)
+def dequantize_from(slot: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, fmt: str,
+                    backend: str | None = None) -> None:
+    """out = the dequantized values of the bytes `slot` (see reference.dequantize_from)."""
+    backend = _resolve(backend, slot.device)
+    checks.check_quantized(out.numel(), slot, starts, fmt, out.dtype, 1, 0)
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.dequantize_slots.default(wire, out, int(world), int(block),
-                                                    fmt == "fp8")
+        torch.ops.fsdp_ext.dequantize_from.default(slot, out, starts, fmt == "fp8")
         return
-    reference.dequantize_slots(wire, out, int(world), int(block), fmt)
+    reference.dequantize_from(slot, out, starts, fmt)
 
 
-def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, world: int, block: int, fmt: str,
-                   backend: str | None = None) -> None:
-    """out = the fp32 sum of the W dequantized slots of `wire` (see reference.dequantize_sum)."""
+def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, world: int,
+                   stride: int, fmt: str, backend: str | None = None) -> None:
+    """out = the fp32 sum of the `world` dequantized slots of `wire`, `stride` bytes apart (see
+    reference.dequantize_sum)."""
     backend = _resolve(backend, wire.device)
-    checks.check_quantized(out.numel(), wire, world, block, fmt, out.dtype)
+    checks.check_quantized(out.numel(), wire, starts, fmt, out.dtype, world, stride)
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.dequantize_sum.default(wire, out, int(world), int(block),
+        torch.ops.fsdp_ext.dequantize_sum.default(wire, out, starts, int(world), int(stride),
                                                   fmt == "fp8")
         return
-    reference.dequantize_sum(wire, out, int(world), int(block), fmt)
+    reference.dequantize_sum(wire, out, starts, int(world), int(stride), fmt)

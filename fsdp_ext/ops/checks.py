@@ -73,15 +73,20 @@ def check_grad_epilogue(reduced: torch.Tensor, out: torch.Tensor) -> None:
            f"reduced has {reduced.numel()} elements but out has {out.numel()}")
 
 
-def check_quantized(n: int, wire: torch.Tensor, slots: int, block: int, fmt: str,
-                    dtype: torch.dtype) -> None:
-    """A quantized collective's byte buffer holds `slots` slots of n values (reference.py)."""
+def check_quantized(n: int, wire: torch.Tensor, starts: torch.Tensor, fmt: str,
+                    dtype: torch.dtype, slots: int, stride: int) -> None:
+    """A quantized collective's bytes hold `slots` slots of n values in the blocks `starts`,
+    `stride` bytes apart (one slot: stride unused) (reference.py)."""
     from .reference import QUANT_FORMATS, slot_bytes
     _check(fmt in QUANT_FORMATS, f"fmt: {fmt!r} is not one of {tuple(QUANT_FORMATS)}")
-    _check(block > 0 and block % 8 == 0, f"block: {block} is not a positive multiple of 8")
     _check(dtype in FLOAT_DTYPES, f"values: dtype {dtype} is not one of fp32/bf16/fp16")
+    _check(starts.dtype == torch.int64 and starts.dim() == 1 and starts.device == wire.device,
+           "starts: must be a 1-D int64 tensor on the wire's device")
+    _check(n == 0 or (starts.numel() > 0), "starts: needs at least one block for n > 0 values")
     _check(wire.dtype == torch.uint8 and wire.dim() == 1 and wire.is_contiguous(),
            "wire: must be a contiguous 1-D uint8 tensor")
-    _check(wire.numel() >= slots * slot_bytes(n, block),
-           f"wire: {wire.numel()} bytes, {slots} slot(s) of {n} values need "
-           f"{slots * slot_bytes(n, block)}")
+    need = slot_bytes(n, starts.numel())
+    _check(slots == 1 or stride >= need, f"stride: {stride} bytes, a slot needs {need}")
+    total = need if slots == 1 else (slots - 1) * stride + need
+    _check(wire.numel() >= total, f"wire: {wire.numel()} bytes, {slots} slot(s) of {n} values "
+                                  f"need {total}")

@@ -70,32 +70,22 @@ def _grad_epilogue_fake(reduced, out, scale, accumulate) -> None:
                        lambda: f"reduced has {reduced.numel()} elements but out has {out.numel()}")
 
 
-def _check_wire(wire, n: int, slots: int, block: int) -> None:
-    from .reference import slot_bytes
-    torch._check_value(wire.dtype == torch.uint8 and wire.dim() == 1,
-                       lambda: "wire: must be a 1-D uint8 tensor")
-    torch._check_value(block > 0 and block % 8 == 0,
-                       lambda: f"block: {block} is not a positive multiple of 8")
-    torch._check_value(wire.numel() >= slots * slot_bytes(n, block),
-                       lambda: f"wire: {wire.numel()} bytes cannot hold {slots} slot(s) of {n}")
+@torch.library.register_fake("fsdp_ext::quantize_into")
+def _quantize_into_fake(src, slot, starts, fp8) -> None:
+    _check_tensor(src, "src", slot.device)
+    torch._check_value(slot.dtype == torch.uint8 and slot.dim() == 1,
+                       lambda: "slot: must be a 1-D uint8 tensor")
 
 
-@torch.library.register_fake("fsdp_ext::quantize_into_slot")
-def _quantize_into_slot_fake(src, wire, slot, block, fp8) -> None:
-    _check_tensor(src, "src", wire.device)
-    torch._check_value(slot >= 0, lambda: "slot: must be >= 0")
-    _check_wire(wire, src.numel(), slot + 1, block)
-
-
-@torch.library.register_fake("fsdp_ext::dequantize_slots")
-def _dequantize_slots_fake(wire, out, world, block, fp8) -> None:
-    _check_tensor(out, "out", wire.device)
-    torch._check_value(world > 0 and out.numel() % world == 0,
-                       lambda: f"out: {out.numel()} values are not {world} slots")
-    _check_wire(wire, out.numel() // world, world, block)
+@torch.library.register_fake("fsdp_ext::dequantize_from")
+def _dequantize_from_fake(slot, out, starts, fp8) -> None:
+    _check_tensor(out, "out", slot.device)
+    torch._check_value(slot.dtype == torch.uint8 and slot.dim() == 1,
+                       lambda: "slot: must be a 1-D uint8 tensor")
 
 
 @torch.library.register_fake("fsdp_ext::dequantize_sum")
-def _dequantize_sum_fake(wire, out, world, block, fp8) -> None:
+def _dequantize_sum_fake(wire, out, starts, world, stride, fp8) -> None:
     _check_tensor(out, "out", wire.device)
-    _check_wire(wire, out.numel(), world, block)
+    torch._check_value(wire.dtype == torch.uint8 and wire.dim() == 1,
+                       lambda: "wire: must be a 1-D uint8 tensor")

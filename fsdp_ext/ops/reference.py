@@ -69,14 +69,17 @@ def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumu
 
 
 # ---- block-quantized collectives (CommPolicy) ---------------------------------------------------
-# A rank's slot of a quantized collective holds n values as codes and per-block scales:
-#     bytes [0, n)                       codes: int8, or float8_e4m3fn, one per value
-#     bytes [align16(n), + 4 * nblocks)  scales: fp32, one per block of `block` values
-# slot_bytes(n, block) = align16(align16(n) + 4 * nblocks), nblocks = ceil(n / block).
-# Quantizing a block: x = fp32(value); amax = max |x| (NaN if any x is NaN); scale = amax / QMAX
-# (QMAX 127 for int8, 448 for fp8); code = 0 where scale is 0, else int8: clamp(rint(x / scale),
-# -127, 127) (rint: round half to even), fp8: cast(x / scale) (round to nearest even). A block with
-# a NaN or an infinity gets scale NaN: it dequantizes to NaN, never to a finite value.
+# A slot of a quantized collective holds n values as codes and one scale per block:
+#     bytes [0, n)                      codes: int8, or float8_e4m3fn, one per value
+#     bytes [align16(n), + 4 * nblocks) scales: fp32, one per block
+# Block b covers values [starts[b], starts[b + 1]) (the last one up to n): `starts` is sorted and
+# begins at 0 (the runtime starts a block at every parameter and every `block_size` values within
+# one, so no block mixes two parameters' magnitudes). slot_bytes(n, nblocks) =
+# align16(align16(n) + 4 * nblocks); slots of a collective have one stride, at least that.
+# Quantizing a block: x = fp32(value); amax = max |x|; scale = amax / QMAX (QMAX 127 for int8, 448
+# for fp8); a block holding a NaN or an infinity gets scale NaN (it dequantizes to NaN, never to a
+# finite value); code = 0 where the scale is 0 or NaN, else int8: clamp(rint(x / scale), -127,
+# 127) (rint: round half to even), fp8: cast(x / scale) (round to nearest even).
 # Dequantizing: fp32(code) * scale, rounded to the output dtype; a sum over slots adds the
 # dequantized fp32 values in slot order (each product rounded, then each sum: no fused multiply-add).
 QUANT_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -86,69 +89,64 @@ def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def slot_bytes(n: int, block: int) -> int:
-    """Bytes of one rank's slot holding `n` quantized values (see above)."""
-    return _align16(_align16(n) + 4 * ((n + block - 1) // block))
+def slot_bytes(n: int, nblocks: int) -> int:
+    """Bytes one slot of `n` values in `nblocks` blocks needs (see above)."""
+    return _align16(_align16(n) + 4 * nblocks)
 
 
-def _slot_views(wire: torch.Tensor, slot: int, n: int, block: int, fmt: str):
-    """(codes [n], scales [nblocks]) views of slot `slot` of the byte buffer `wire`."""
-    base = slot * slot_bytes(n, block)
-    codes = wire[base:base + n].view(QUANT_FORMATS[fmt][0])
-    nblocks = (n + block - 1) // block
-    start = base + _align16(n)
-    scales = wire[start:start + 4 * nblocks].view(torch.float32)
+def _block_ids(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """The block of every value: [n] int64."""
+    lengths = torch.diff(starts.cpu(), append=torch.tensor([n]))
+    return torch.repeat_interleave(torch.arange(starts.numel()), lengths).to(starts.device)
+
+
+def _views(slot: torch.Tensor, n: int, nblocks: int, fmt: str):
+    codes = slot[:n].view(QUANT_FORMATS[fmt][0])
+    scales = slot[_align16(n):_align16(n) + 4 * nblocks].view(torch.float32)
     return codes, scales
 
 
-def quantize_into_slot(src: torch.Tensor, wire: torch.Tensor, slot: int, block: int,
-                       fmt: str) -> None:
-    """Quantize the n values of `src` into slot `slot` of `wire` (uint8, at least (slot + 1) *
-    slot_bytes(n, block) bytes)."""
-    n = src.numel()
-    codes, scales = _slot_views(wire, slot, n, block, fmt)
+def quantize_into(src: torch.Tensor, slot: torch.Tensor, starts: torch.Tensor, fmt: str) -> None:
+    """Quantize the n values of `src` into the bytes `slot` (at least slot_bytes(n, nblocks))."""
+    n, nblocks = src.numel(), starts.numel()
+    codes, scales = _views(slot, n, nblocks, fmt)
     if n == 0:
         return
     dtype, qmax = QUANT_FORMATS[fmt]
-    nblocks = scales.numel()
-    x = torch.zeros(nblocks * block, dtype=torch.float32, device=src.device)
-    x[:n] = src.reshape(-1).float()
-    x = x.view(nblocks, block)
-    amax = x.abs().amax(dim=1)
-    amax = torch.where(x.isnan().any(dim=1), torch.full_like(amax, float("nan")), amax)
-    scale = torch.where(torch.isfinite(amax), amax / qmax, torch.full_like(amax, float("nan")))
-    safe = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-    q = x / safe[:, None]
+    x = src.reshape(-1).float()
+    ids = _block_ids(starts, n)
+    amax = torch.zeros(nblocks, device=x.device).scatter_reduce(
+        0, ids, x.abs(), "amax", include_self=True)
+    finite = torch.zeros(nblocks, dtype=torch.bool, device=x.device).scatter_reduce(
+        0, ids, ~torch.isfinite(x), "amax", include_self=True).logical_not()
+    scale = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
+    usable = finite & (scale > 0)
+    q = x / torch.where(usable, scale, torch.ones_like(scale))[ids]
     if fmt == "int8":
         q = torch.round(q).clamp_(-127, 127)
-    q = torch.where(((scale > 0) & torch.isfinite(scale))[:, None], q, torch.zeros_like(q))
-    codes.copy_(q.reshape(-1)[:n].to(dtype))
+    q = torch.where(usable[ids], q, torch.zeros_like(q))
+    codes.copy_(q.to(dtype))
     scales.copy_(scale)
 
 
-def _dequantized(wire: torch.Tensor, slot: int, n: int, block: int, fmt: str) -> torch.Tensor:
-    codes, scales = _slot_views(wire, slot, n, block, fmt)
-    nblocks = scales.numel()
-    x = torch.zeros(nblocks * block, dtype=torch.float32, device=wire.device)
-    x[:n] = codes.float()
-    return (x.view(nblocks, block) * scales[:, None]).reshape(-1)[:n]
+def _dequantized(slot: torch.Tensor, n: int, starts: torch.Tensor, fmt: str) -> torch.Tensor:
+    codes, scales = _views(slot, n, starts.numel(), fmt)
+    return codes.float() * scales[_block_ids(starts, n)]
 
 
-def dequantize_slots(wire: torch.Tensor, out: torch.Tensor, world: int, block: int,
-                     fmt: str) -> None:
-    """out[r * n:(r + 1) * n] = dequantized slot r of `wire`, r < world, n = out.numel() / world
-    (an all-gather's output)."""
-    n = out.numel() // world
-    for r in range(world):
-        out[r * n:(r + 1) * n].copy_(_dequantized(wire, r, n, block, fmt).to(out.dtype))
+def dequantize_from(slot: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                    fmt: str) -> None:
+    """out = the dequantized values of the bytes `slot` (n = out.numel())."""
+    out.view(-1).copy_(_dequantized(slot, out.numel(), starts, fmt).to(out.dtype))
 
 
-def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, world: int, block: int,
-                   fmt: str) -> None:
-    """out = the sum over r < world of dequantized slot r of `wire` (n = out.numel() values
-    each), added in fp32 in slot order (an all-to-all's output: a reduce-scatter's sum)."""
+def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, world: int,
+                   stride: int, fmt: str) -> None:
+    """out = the sum over r < world of the dequantized slot at wire[r * stride:] (n =
+    out.numel() values each, all in blocks `starts`), added in fp32 in slot order (an
+    all-to-all's output: a reduce-scatter's sum)."""
     n = out.numel()
     total = torch.zeros(n, dtype=torch.float32, device=out.device)
     for r in range(world):
-        total = total + _dequantized(wire, r, n, block, fmt)
-    out.copy_(total.to(out.dtype))
+        total = total + _dequantized(wire[r * stride:(r + 1) * stride], n, starts, fmt)
+    out.view(-1).copy_(total.to(out.dtype))

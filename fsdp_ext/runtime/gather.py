@@ -121,7 +121,7 @@ def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, sl
     policy = bucket.comm_policy
     if policy is not None and policy.param_gather is not None and group is not None:
         gathers = quantized_comm.quantize_for_gather(
-            targets(bucket, full, world), sources(bucket, shard), slot, world, policy)
+            bucket, targets(bucket, full, world), sources(bucket, shard), slot, world, policy)
         wires = [g.wire for g in gathers]
         return wires, [w.narrow(0, slot * (w.numel() // world), w.numel() // world)
                        for w in wires], gathers

@@ -105,7 +105,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
         blocking = not async_op or groups.replicate is not None
         if quantized:
             pieces, works = quantized_comm.reduce_scatter_quantized(
-                flat, bucket.layout, groups.reduce_scatter, not blocking, policy)
+                flat, bucket, groups.reduce_scatter, not blocking, policy)
         else:
             pieces, works = comm.reduce_scatter_groups(
                 flat, bucket.layout, groups.reduce_scatter, not blocking)
