@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
@@ -46,6 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
     p.add_argument("--api", choices=["fully_shard", "fsdp1"], default="fully_shard")
     p.add_argument("--prefetch-depth", type=int, default=1, help="units all-gathered ahead")
+    p.add_argument("--comm-policy", default="none",
+                   help="fewer bytes on the wire: PARAMS[,GRADS], e.g. int8, int8,int8, fp8,bf16 "
+                        "(fsdp_ext.CommPolicy: parameter all-gathers int8|fp8, gradient "
+                        "reductions int8|bf16; default none: exact)")
+    p.add_argument("--losses-json", help="write the logged (step, loss) pairs here (rank 0)")
     p.add_argument("--data", help="a text file to train on (default: this repository's sources)")
     p.add_argument("--checkpoint-dir", help="save the model here (at the end and every --save-every)")
     p.add_argument("--save-every", type=int, default=0)
@@ -81,9 +87,19 @@ def init_distributed() -> torch.device:
     return device
 
 
+def comm_policy(text: str):
+    """--comm-policy PARAMS[,GRADS] as an fsdp_ext.CommPolicy (None for "none")."""
+    if text == "none":
+        return None
+    params, _, grads = text.partition(",")
+    return fsdp_ext.CommPolicy(param_gather=None if params in ("", "none") else params,
+                               grad_reduce=grads or None)
+
+
 def shard(model: GPT, args, device: torch.device):
     """Each transformer block is a unit, the root holds the embeddings (tied to the output layer)."""
     bf16 = args.mixed_precision == "bf16"
+    policy = comm_policy(args.comm_policy)
     strategy = args.sharding_strategy
     if args.api == "fsdp1":
         mp = (fsdp_ext.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -91,10 +107,11 @@ def shard(model: GPT, args, device: torch.device):
         model = fsdp_ext.FullyShardedDataParallel(
             model, auto_wrap_policy=fsdp_ext.ModuleWrapPolicy({Block}), mixed_precision=mp,
             sharding_strategy=getattr(fsdp_ext.ShardingStrategy, strategy),
-            device_id=device if device.type == "cuda" else None)
+            device_id=device if device.type == "cuda" else None, comm_policy=policy)
         model.module.set_prefetch_depth(args.prefetch_depth, args.prefetch_depth)
         return model
-    kwargs = dict(forward_prefetch=args.prefetch_depth, backward_prefetch=args.prefetch_depth)
+    kwargs = dict(forward_prefetch=args.prefetch_depth, backward_prefetch=args.prefetch_depth,
+                  comm_policy=policy)
     if bf16:
         kwargs["mp_policy"] = fsdp_ext.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                             reduce_dtype=torch.float32)
@@ -257,6 +274,10 @@ def main(argv=None) -> None:
                            {"validation loss": f"{val_loss:.4f} (bytes held out of training)"})
     if rank == 0:
         print(table)
+        if args.losses_json:
+            with open(args.losses_json, "w") as f:
+                json.dump({"comm_policy": args.comm_policy, "losses": losses,
+                           "validation_loss": val_loss}, f)
     dist.destroy_process_group()
 
 

@@ -114,6 +114,18 @@ def tensor_subclass_params(rank: int, world_size: int) -> None:
     subclass_recipes.check_close_to_unwrapped("hilo", rank, world_size, 4)
 
 
+def comm_policy(rank: int, world_size: int) -> None:
+    """CommPolicy int8 both ways (byte buffers quantized on the collectives' streams, dequantized
+    after their waits), with fully_shard and with FullyShardedDataParallel: the loss curve within
+    1% of the exact run's from the third step."""
+    from . import test_comm_policy as cp
+    for api in ("fully_shard", "fsdp1"):
+        exact = cp._train(cp._shard(cp._gpt(), api, None), rank, world_size, steps=4)
+        losses = cp._train(cp._shard(cp._gpt(), api, fsdp_ext.CommPolicy("int8", "int8")),
+                           rank, world_size, steps=4)
+        assert all(abs(a - b) <= 0.01 * b for a, b in zip(losses[2:], exact[2:])), (losses, exact)
+
+
 def scenarios(world_size: int) -> list[tuple[str, object]]:
     """(label, fn(rank, world_size)) for every scenario run under the model at `world_size`."""
     out = [(case.name, lambda r, w, case=case: parity.run_case(case, r, w))
@@ -136,7 +148,8 @@ def scenarios(world_size: int) -> list[tuple[str, object]]:
             ("clip_grad_norm_every_step", clip_every_step),
             ("prefetch_depths", prefetch_depths), ("explicit_async_unshard", explicit_async_unshard),
             ("offload_then_host_update", offload_then_host_update),
-            ("tensor_subclass_params", tensor_subclass_params)]
+            ("tensor_subclass_params", tensor_subclass_params),
+            ("comm_policy", comm_policy)]
     if world_size == 4:
         out.append(("fsdp_x_tp", tensor_parallel))
     return out

@@ -17,6 +17,10 @@ and, on request (--frameworks), fsdp_ext's candidate ways to gather its DTensor 
     fsdp_ext-unchecked  fsdp_ext with its collective tags off after the first forward (their cost)
     fsdp_ext-sync-tags  fsdp_ext checking every tag on the host at its wait after the first forward
                         (FSDP_EXT_CHECK=sync: on GPUs, a host sync per collective)
+and fsdp_ext with a CommPolicy (fewer bytes on the wire, runtime/comm_policy.py):
+    fsdp_ext-int8w        int8 parameter all-gathers
+    fsdp_ext-int8w-int8g  int8 parameter all-gathers and int8 all-to-all gradient reduction
+    fsdp_ext-fp8w-bf16g   fp8 parameter all-gathers, bf16 gradient reduction
 and torch.compile (inductor) variants: NAME+compile compiles the whole wrapped model (fsdp_ext,
 fsdp2, local), fsdp_ext+unit-compile each block's forward.
 """
@@ -86,6 +90,14 @@ def _wrap_fsdp_ext(model, device, options):
     for layer in model.layers:
         fsdp_ext.fully_shard(layer, **options)
     return fsdp_ext.fully_shard(model, **options)
+
+
+def _wrap_fsdp_ext_policy(**policy):
+    def wrap(model, device, options):
+        import fsdp_ext
+        return _wrap_fsdp_ext(model, device,
+                              {**options, "comm_policy": fsdp_ext.CommPolicy(**policy)})
+    return wrap
 
 
 def _wrap_fsdp_ext_split(direct_min_numel: int):
@@ -167,6 +179,9 @@ WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp_ext-flat": _wrap_fsdp_ext_flat,
             "fsdp_ext-unchecked": _wrap_fsdp_ext_unchecked,
             "fsdp_ext-sync-tags": _wrap_fsdp_ext_sync_tags,
+            "fsdp_ext-int8w": _wrap_fsdp_ext_policy(param_gather="int8"),
+            "fsdp_ext-int8w-int8g": _wrap_fsdp_ext_policy(param_gather="int8", grad_reduce="int8"),
+            "fsdp_ext-fp8w-bf16g": _wrap_fsdp_ext_policy(param_gather="fp8", grad_reduce="bf16"),
             "fsdp_ext+compile": _compiled(_wrap_fsdp_ext),
             "fsdp_ext+unit-compile": _compiled(_wrap_fsdp_ext, per_unit=True),
             "fsdp2+compile": _compiled(_wrap_fsdp2),
