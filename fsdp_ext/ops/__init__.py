@@ -64,6 +64,11 @@ def _triton():
     return triton_kernels
 
 
+def _triton_quant():
+    from . import triton_quant  # lazily, as _triton()
+    return triton_quant
+
+
 def _as_list(items: Sequence) -> list | tuple:
     """Lists and tuples as they are (the dispatcher converts and type-checks each element, and
     rejects what is not an int or a tensor); any other iterable as a list."""
@@ -135,7 +140,7 @@ def quantize_into(src: torch.Tensor, slot: torch.Tensor, starts: torch.Tensor, f
     if backend in ("cpp", "cuda"):
         torch.ops.fsdp_ext.quantize_into.default(src, slot, starts, fmt == "fp8")
         return
-    reference.quantize_into(src, slot, starts, fmt)
+    (_triton_quant() if backend == "triton" else reference).quantize_into(src, slot, starts, fmt)
 
 
 def dequantize_from(slot: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, fmt: str,
@@ -146,7 +151,8 @@ def dequantize_from(slot: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
     if backend in ("cpp", "cuda"):
         torch.ops.fsdp_ext.dequantize_from.default(slot, out, starts, fmt == "fp8")
         return
-    reference.dequantize_from(slot, out, starts, fmt)
+    (_triton_quant() if backend == "triton" else reference).dequantize_from(slot, out, starts,
+                                                                             fmt)
 
 
 def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, world: int,
@@ -159,4 +165,5 @@ def dequantize_sum(wire: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, 
         torch.ops.fsdp_ext.dequantize_sum.default(wire, out, starts, int(world), int(stride),
                                                   fmt == "fp8")
         return
-    reference.dequantize_sum(wire, out, starts, int(world), int(stride), fmt)
+    (_triton_quant() if backend == "triton" else reference).dequantize_sum(
+        wire, out, starts, int(world), int(stride), fmt)

@@ -75,6 +75,11 @@ class PlanInputs:
     contention: float = 1.0          # then: share of overlapped communication that still adds
     copy_bytes_per_s: float = 0.0    # CPU: the copies around each collective cost compute time
     grads_set_to_none: bool = True   # zero_grad(set_to_none=True): gradient shards freed
+    # A CommPolicy (runtime/comm_policy.py): bytes per element on the wire (0: as computed in),
+    # and the quantize / dequantize passes' cost per byte they read and write (0: none)
+    wire_param_bytes: float = 0.0
+    wire_reduce_bytes: float = 0.0
+    quant_s_per_byte: float = 0.0
 
     def shards(self, strategy: str) -> int:
         if strategy == "NO_SHARD":
@@ -144,14 +149,26 @@ def estimate_time(m: PlanInputs, s: Setting) -> dict:
     shards = m.shards(s.strategy)
     blocks = [u for u in m.units if not u.is_root]
     total = max(1, sum(u.numel for u in m.units))
-    comm_per_unit, first_ag, last_reduce = [], 0.0, 0.0
+    comm_per_unit, first_ag, last_reduce, quant = [], 0.0, 0.0, 0.0
+    wire_param = m.wire_param_bytes or m.param_bytes
+    wire_reduce = m.wire_reduce_bytes or m.reduce_bytes
     for i, u in enumerate(m.units):
         full = padded_numel(u, shards)
-        ag = all_gather_s(full * m.param_bytes, shards, m.link) if s.strategy != "NO_SHARD" else 0.0
+        ag = all_gather_s(full * wire_param, shards, m.link) if s.strategy != "NO_SHARD" else 0.0
         regather = s.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not u.is_root and bool(
             blocks) and u is not blocks[-1]
-        reduce_fn = all_reduce_s if m.reduce_is_all_reduce else reduce_scatter_s
-        red = reduce_fn(full * m.reduce_bytes, shards, m.link) if shards > 1 else 0.0
+        # gloo reduces by an in-place all-reduce, except a quantized reduction (an all-to-all)
+        reduce_fn = (all_reduce_s if m.reduce_is_all_reduce and not m.wire_reduce_bytes
+                     else reduce_scatter_s)
+        red = reduce_fn(full * wire_reduce, shards, m.link) if shards > 1 else 0.0
+        if m.quant_s_per_byte and s.strategy != "NO_SHARD":
+            # per gather: quantize the shard, dequantize every slot; per reduction: quantize
+            # the packed gradients, dequantize and sum what arrives (bytes read + written)
+            if m.wire_param_bytes:
+                quant += (2 if regather else 1) * (
+                    (m.state_bytes + 1) * full // shards + (1 + m.param_bytes) * full)
+            if m.wire_reduce_bytes:
+                quant += (m.reduce_bytes + 1) * full + full + m.reduce_bytes * full // shards
         if m.world_size > shards:  # replicas all-reduce the (shard of the) gradient
             across = m.cross_link if (m.cross_link and s.strategy == "HYBRID_SHARD") else m.link
             red += all_reduce_s(full // shards * m.reduce_bytes, m.world_size // shards, across)
@@ -171,8 +188,10 @@ def estimate_time(m: PlanInputs, s: Setting) -> dict:
         exposed = min(exposed, comm)
     optimizer = m.adamw_s_per_element * total / shards
     copies = _copy_seconds(m, s, shards, blocks)
+    quantize = quant * m.quant_s_per_byte  # counted as not overlapped (a bound)
     return dict(compute=m.compute_s, optimizer=optimizer, comm=comm, exposed_comm=exposed,
-                copies=copies, step=m.compute_s + optimizer + exposed + copies)
+                copies=copies, quantize=quantize,
+                step=m.compute_s + optimizer + exposed + copies + quantize)
 
 
 def _copy_seconds(m: PlanInputs, s: Setting, shards: int, blocks: list[UnitSpec]) -> float:

@@ -37,7 +37,7 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
          cross_link: Link | None = None, ranks_per_node: int | None = None,
          threads_per_rank: int | None = None, device_type: str = "cpu",
          adamw_s_per_element: float | None = None, prefetch=(0, 1, 2),
-         strategies=STRATEGIES) -> Plan:
+         strategies=STRATEGIES, comm_policy=None, quant_s_per_byte: float = 0.0) -> Plan:
     """Estimate every (strategy, prefetch depth) for `model` sharded over `world_size` ranks.
 
     Args:
@@ -60,6 +60,9 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
             communication can hide behind compute (not when ranks' threads fill every core).
         device_type: "cpu" (gloo) or "cuda" (NCCL).
         adamw_s_per_element: optimizer seconds per parameter element (default: measured here).
+        comm_policy / quant_s_per_byte: a CommPolicy's bytes on the wire (int8/fp8 codes plus
+            one fp32 scale per block; bf16 gradients), and what its quantize / dequantize passes
+            cost per byte they move (e.g. 1 / memory bandwidth on a GPU).
     """
     specs = measure.describe_units(model, unit_classes)
     notes = []
@@ -98,6 +101,16 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
         state_bytes=itemsize, comm_hides=hides,
         copy_bytes_per_s=measure.copy_bytes_per_second() if device_type == "cpu" else 0.0,
         reduce_is_all_reduce=device_type == "cpu")  # gloo: an in-place all-reduce (runtime/comm.py)
+    if comm_policy is not None:
+        per_scale = 4 / comm_policy.block_size
+        if comm_policy.param_gather is not None:
+            inputs.wire_param_bytes = 1 + per_scale
+        if comm_policy.grad_reduce == "int8":
+            inputs.wire_reduce_bytes = 1 + per_scale
+        elif comm_policy.grad_reduce == "bf16":
+            inputs.reduce_bytes = 2
+        inputs.quant_s_per_byte = quant_s_per_byte
+        notes.append(f"CommPolicy: {comm_policy.describe()}")
     if not hides:
         inputs.contention = _contention(model, loss_fn, inputs, together, notes)
     return build_plan(inputs, memory_budget, prefetch, strategies, notes)
@@ -121,7 +134,8 @@ def _contention(model, loss_fn, inputs: PlanInputs, together: bool, notes: list[
 
 def project(model: nn.Module, world_sizes, cluster: Cluster, *, unit_classes=None,
             flops_per_step: float, activation_bytes: int, param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32, prefetch=(1,), strategies=("FULL_SHARD", "HYBRID_SHARD")):
+            reduce_dtype=torch.float32, prefetch=(1,), strategies=("FULL_SHARD", "HYBRID_SHARD"),
+            comm_policy=None):
     """PROJECTION, nothing measured: one Plan per world size on `cluster` (stated link bandwidths,
     peak FLOP/s x assumed MFU). `model` may live on the meta device; the per-GPU batch is fixed
     (flops_per_step and activation_bytes are per GPU), so larger worlds train more tokens."""
@@ -133,7 +147,8 @@ def project(model: nn.Module, world_sizes, cluster: Cluster, *, unit_classes=Non
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory_budget=cluster.memory_bytes,
             link=cluster.link_for(world), cross_link=cluster.inter, ranks_per_node=cluster.per_node,
             device_type="cuda", adamw_s_per_element=cluster.adamw_s_per_element,
-            prefetch=prefetch, strategies=strategies)
+            prefetch=prefetch, strategies=strategies, comm_policy=comm_policy,
+            quant_s_per_byte=1 / cluster.memory_bandwidth)
     return plans
 
 
