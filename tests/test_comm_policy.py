@@ -5,6 +5,8 @@ the unwrapped model through it), the format's error bound, torch's own DTensor g
 master shards (full_tensor()); and the bytes the collectives move."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -167,6 +169,9 @@ CHECKS = [check_training_follows_exact, check_gathered_parameters, check_reduced
 
 
 def _worker(rank: int, world: int) -> None:
+    # Parameters of 4096 elements and more gathered directly (layout.py): buckets of several
+    # gather groups, each with its own slot stride and blocks, beside one copied group.
+    os.environ["FSDP_EXT_DIRECT_MIN_NUMEL"] = "4096"
     for check in CHECKS:
         try:
             check(rank, world)

@@ -137,8 +137,9 @@ def reduce_scatter_quantized(flat: torch.Tensor, bucket, group, async_op: bool, 
         received = torch.empty_like(send)
         work = dist.all_to_all_single(received, send, group=group, async_op=True)
 
-        def finish(received=received, piece=piece, send=send, stride=stride):  # (send: held)
-            ops.dequantize_sum(received, piece, starts[rank], world, stride, "int8")
+        def finish(received=received, piece=piece, send=send, stride=stride,
+                   mine=starts[rank]):  # (bound now: this group's; `send` held until done)
+            ops.dequantize_sum(received, piece, mine, world, stride, "int8")
         handle = _DequantizeAfter(work, finish)
         if not async_op:
             handle.wait()
