@@ -55,13 +55,15 @@ def _train(model, rank: int, world: int, steps: int = STEPS) -> list[float]:
 
 
 def check_training_follows_exact(rank: int, world: int) -> None:
-    """Every setting in both APIs: the loss curve within 1% of the exact run at every step
-    from the third on (the main job's criterion, on a short run), and not identical to it."""
-    for api in ("fully_shard", "fsdp1"):
-        exact = _train(_shard(_gpt(), api, None), rank, world)
+    """Every setting in both APIs (and SHARD_GRAD_OP): the loss curve within 1% of the exact run
+    at every step from the third on (the main job's criterion, on a short run), and not
+    identical to it."""
+    zero2 = dict(sharding_strategy=fsdp_ext.ShardingStrategy.SHARD_GRAD_OP)
+    for api, kwargs in (("fully_shard", {}), ("fsdp1", {}), ("fsdp1", zero2)):
+        exact = _train(_shard(_gpt(), api, None, **kwargs), rank, world)
         for policy in (CommPolicy("int8"), CommPolicy(grad_reduce="int8"),
                        CommPolicy("int8", "int8", block_size=64), CommPolicy("fp8", "bf16")):
-            losses = _train(_shard(_gpt(), api, policy), rank, world)
+            losses = _train(_shard(_gpt(), api, policy, **kwargs), rank, world)
             assert losses != exact, (api, policy)
             for step, (a, b) in enumerate(zip(losses, exact)):
                 assert abs(a - b) <= 0.01 * b or step < 2, (api, policy, step, losses, exact)
