@@ -20,6 +20,14 @@ BLOCK = 256  # lanes per chunk of a quantization block
 
 
 @triton.jit
+def _larger(a, b):
+    """The combine of a max reduction (tl.reduce is a builtin; tl.max is a @jit helper of
+    triton's standard library, which the interpreter cannot call when triton was imported before
+    TRITON_INTERPRET was set: see triton_kernels.py)."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _e4m3_bits_from_f32(x):
     """fp32 -> float8_e4m3fn bits (uint32 lanes), round to nearest even; NaN -> 0x7F. Only for
     |x| below 464, which rounds to at most 448 (the quantizer's codes never exceed it)."""
@@ -79,9 +87,9 @@ def _quantize_kernel(
         idx = off + tl.arange(0, BLOCK)
         mask = idx < end
         a = tl.where(mask, tl.abs(_load_f32(src_ptr + idx, mask, SRC_KIND)), 0.0)
-        amax = tl.maximum(amax, tl.max(a, axis=0))
-        bad = tl.maximum(bad, tl.max(((a > 3.4028234663852886e38) | (a != a)).to(tl.int32),
-                                     axis=0))
+        amax = tl.maximum(amax, tl.reduce(a, 0, _larger))
+        bad = tl.maximum(bad, tl.reduce(((a > 3.4028234663852886e38) | (a != a)).to(tl.int32),
+                                        0, _larger))
     qmax = 448.0 if FP8 else 127.0
     scale = tl.where(bad > 0, float("nan"), tl.math.div_rn(amax, qmax))
     scale_ptr = (slot_ptr + scales_at).to(tl.pointer_type(tl.float32))
@@ -127,7 +135,7 @@ def _dequantize_kernel(
         idx = off + tl.arange(0, BLOCK)
         mask = idx < end
         if SUM:
-            value = tl.zeros([BLOCK], tl.float32)
+            value = tl.full([BLOCK], 0.0, tl.float32)  # (tl.zeros is a @jit helper)
             for r in range(0, world):
                 base = wire_ptr + r * stride
                 scale = tl.load((base + scales_at).to(tl.pointer_type(tl.float32)) + b)
