@@ -15,9 +15,9 @@ import fsdp_ext
 from fsdp_ext import CommPolicy
 from models import GPT, Block, GPTConfig
 
-from .dist_utils import run_distributed
+from .dist_utils import run_checks, run_distributed
 
-STEPS = 12
+STEPS = 8
 
 
 def _gpt() -> GPT:
@@ -54,15 +54,18 @@ def _train(model, rank: int, world: int, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def check_training_follows_exact(rank: int, world: int) -> None:
-    """Every setting in both APIs (and SHARD_GRAD_OP): the loss curve within 1% of the exact run
-    at every step from the third on (the main job's criterion, on a short run), and not
-    identical to it."""
-    zero2 = dict(sharding_strategy=fsdp_ext.ShardingStrategy.SHARD_GRAD_OP)
-    for api, kwargs in (("fully_shard", {}), ("fsdp1", {}), ("fsdp1", zero2)):
+EVERY = (CommPolicy("int8"), CommPolicy(grad_reduce="int8"),
+         CommPolicy("int8", "int8", block_size=64), CommPolicy("fp8", "bf16"))
+ZERO2 = dict(sharding_strategy=fsdp_ext.ShardingStrategy.SHARD_GRAD_OP)
+
+
+def check_training_follows_exact(rank: int, world: int, runs=(("fully_shard", {}, EVERY),)):
+    """Every setting (fully_shard; the slow test adds FSDP1 and SHARD_GRAD_OP): the loss curve
+    within 1% of the exact run at every step from the third on (the main job's criterion, on a
+    short run), and not identical to it."""
+    for api, kwargs, policies in runs:
         exact = _train(_shard(_gpt(), api, None, **kwargs), rank, world)
-        for policy in (CommPolicy("int8"), CommPolicy(grad_reduce="int8"),
-                       CommPolicy("int8", "int8", block_size=64), CommPolicy("fp8", "bf16")):
+        for policy in policies:
             losses = _train(_shard(_gpt(), api, policy, **kwargs), rank, world)
             assert losses != exact, (api, policy)
             for step, (a, b) in enumerate(zip(losses, exact)):
@@ -174,12 +177,7 @@ def _worker(rank: int, world: int) -> None:
     # Parameters of 4096 elements and more gathered directly (layout.py): buckets of several
     # gather groups, each with its own slot stride and blocks, beside one copied group.
     os.environ["FSDP_EXT_DIRECT_MIN_NUMEL"] = "4096"
-    for check in CHECKS:
-        try:
-            check(rank, world)
-        except Exception as exc:
-            raise AssertionError(f"rank {rank}: {check.__name__}: {exc}") from exc
-        dist.barrier()
+    run_checks(CHECKS, rank, world)
 
 
 def test_comm_policy_at_world_2():
@@ -199,6 +197,17 @@ def _hsdp_worker(rank: int, world: int) -> None:
     losses = _train(_shard(_gpt(), "fsdp1", CommPolicy("int8", "int8"), **hybrid), rank, world)
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(losses[2:], exact[2:])), (losses, exact)
     dist.barrier()
+
+
+def _fsdp1_worker(rank: int, world: int) -> None:
+    os.environ["FSDP_EXT_DIRECT_MIN_NUMEL"] = "4096"
+    check_training_follows_exact(rank, world, (("fsdp1", {}, EVERY), ("fsdp1", ZERO2, EVERY)))
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_comm_policy_with_fsdp1_and_shard_grad_op():
+    run_distributed(_fsdp1_worker, 2, timeout_s=600)
 
 
 @pytest.mark.slow

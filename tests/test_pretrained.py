@@ -188,7 +188,7 @@ def checkpoints(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_load_pretrained(world_size, checkpoints):
     assert os.path.exists(os.path.join(checkpoints, "llama-False", "model.safetensors.index.json"))
     run_distributed(worker, world_size, checkpoints, timeout_s=180)

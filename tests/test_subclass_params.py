@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dist_utils import run_distributed
+from .dist_utils import run_checks, run_distributed
 
 pytest.importorskip("torchao")
 
@@ -209,26 +209,27 @@ def check_refused(rank: int, world: int) -> None:
         fully_shard(one_hook[0])
 
 
-CHECKS = {"recipes_match_torch": check_recipes_match_torch,
-          "close_to_single_process": check_close_to_single_process,
-          "options_match_torch": check_options_match_torch,
-          "state_dicts": check_state_dicts,
-          "subclass_without_hooks": check_subclass_without_hooks,
-          "refused": check_refused}
-
-
 def _worker(rank: int, world: int, directory: str) -> None:
-    checks = dict(CHECKS, state_dicts=lambda r, w: check_state_dicts(r, w, directory))
-    for name, check in checks.items():
-        try:
-            check(rank, world)
-        except Exception as exc:
-            raise AssertionError(f"rank {rank}: {name}: {exc}") from exc
-        dist.barrier()
+    def check_state_dicts_and_checkpoints(rank: int, world: int) -> None:
+        check_state_dicts(rank, world, directory)
+    run_checks([check_recipes_match_torch, check_state_dicts_and_checkpoints, check_refused],
+                rank, world)
 
 
 def test_subclass_parameters_train_as_with_torch_fully_shard(tmp_path):
     run_distributed(_worker, 2, str(tmp_path), timeout_s=600)
+
+
+def _more_worker(rank: int, world: int) -> None:
+    run_checks([check_close_to_single_process, check_options_match_torch,
+                check_subclass_without_hooks], rank, world)
+
+
+@pytest.mark.slow
+def test_subclass_parameters_options_and_references():
+    """The unwrapped model as reference, mixed precision / no resharding / evaluation against
+    torch, a subclass without hooks (world 2; slow to keep the default suite in its budget)."""
+    run_distributed(_more_worker, 2, timeout_s=600)
 
 
 def _hsdp_worker(rank: int, world: int) -> None:
