@@ -77,6 +77,12 @@ def tp_view(local: torch.Tensor, tp_spec: DTensorSpec) -> DTensor:
                               shape=meta.shape, stride=meta.stride)
 
 
+def dispatches_itself(tensor: torch.Tensor) -> bool:
+    """A tensor subclass with a `__torch_dispatch__` of its own (torchao's weights, NF4): a
+    storage-less wrapper, unlike a plain tensor or an nn.Parameter subclass."""
+    return type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
 def _wrap(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
     """A DTensor of `sharding` whose local tensor is `local`, a view at any offset of a shard.
 
@@ -86,7 +92,7 @@ def _wrap(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
     wrapper's (invalid) storage and fails. Built over a zero-offset view of the same storage (no
     copy), then given `local`, the wrapper looks as FSDP2's own do. A tensor subclass (its
     own storage-less wrapper, extension.py) is wrapped as it is."""
-    if type(local).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+    if dispatches_itself(local):
         return DTensor(local, sharding, requires_grad=False)
     at_zero = local.as_strided(local.shape, local.stride(), 0)
     dtensor = DTensor(at_zero, sharding, requires_grad=False)

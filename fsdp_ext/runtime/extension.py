@@ -31,6 +31,7 @@ import torch
 
 from . import streams
 from .bucket import Bucket
+from .dtensor_params import dispatches_itself
 
 _ALIGN_BYTES = 16  # each input's bytes start aligned in the staging buffer
 
@@ -38,7 +39,7 @@ _ALIGN_BYTES = 16  # each input's bytes start aligned in the staging buffer
 def is_extension_tensor(tensor: torch.Tensor) -> bool:
     """A tensor subclass with dispatch of its own, or any tensor with FSDP2's hooks."""
     return (hasattr(tensor, "fsdp_pre_all_gather")
-            or type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
+            or dispatches_itself(tensor))
 
 
 def check_hooks(tensor: torch.Tensor, where: str) -> None:
@@ -225,7 +226,7 @@ class ExtensionBucket(Bucket):
 
 def _nbytes(tensor: torch.Tensor) -> int:
     """Bytes of a (possibly subclass) tensor: the sum over its inner plain tensors."""
-    if type(tensor).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+    if not dispatches_itself(tensor):
         return tensor.numel() * tensor.element_size()
     names, _ = tensor.__tensor_flatten__() if hasattr(tensor, "__tensor_flatten__") else ([], None)
     return sum(_nbytes(getattr(tensor, n)) for n in names)

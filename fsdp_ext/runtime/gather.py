@@ -58,9 +58,10 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
             bucket_targets, bucket_sources, entry = _fill(bucket, full, chunks, i, world, slot,
                                                           group, offload=False)
             targets_.append(entry)
-            if bucket_targets and bucket_targets[0].dtype == torch.uint8:  # bytes (subclass or quantized buckets),
-                here.append((bucket_targets, bucket_sources))  # which the issue thread's cast
-                continue                                        # kernel does not take
+            # Byte buffers (subclass or quantized buckets): not for the issue thread's cast kernel.
+            if bucket_targets and bucket_targets[0].dtype == torch.uint8:
+                here.append((bucket_targets, bucket_sources))
+                continue
             issued_targets += bucket_targets
             sources_ += bucket_sources
         record.copy_out = targets_
@@ -112,8 +113,7 @@ def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, sl
     storage_cache.fill(full)
     if bucket.extension:
         staging = bucket.fill_staging(slot, world, full.device)
-        q = staging.numel() // world
-        return [staging], [staging.narrow(0, slot * q, q)], [staging]
+        return [staging], [_slot_of(staging, slot, world)], [staging]
     if chunks is not None:
         out = targets(bucket, full, world)
         return out, chunks[index], out
@@ -123,10 +123,15 @@ def _fill(bucket: Bucket, full: torch.Tensor, chunks, index: int, world: int, sl
         gathers = quantized_comm.quantize_for_gather(
             bucket, targets(bucket, full, world), sources(bucket, shard), slot, world, policy)
         wires = [g.wire for g in gathers]
-        return wires, [w.narrow(0, slot * (w.numel() // world), w.numel() // world)
-                       for w in wires], gathers
+        return wires, [_slot_of(w, slot, world) for w in wires], gathers
     out = targets(bucket, full, world)
     return out, sources(bucket, shard), out
+
+
+def _slot_of(buffer: torch.Tensor, slot: int, world: int) -> torch.Tensor:
+    """Slot `slot` of a buffer of `world` equal slots (already filled: the byte buffers)."""
+    size = buffer.numel() // world
+    return buffer.narrow(0, slot * size, size)
 
 
 def _copy_out_all(buckets, fulls, targets_, name: str) -> None:
