@@ -1,9 +1,8 @@
 // CPU kernels of the block-quantized collectives (schemas in csrc/ops.cpp, bodies in
 // csrc/quant_bodies.h, shared with the CUDA kernels; semantics in fsdp_ext/ops/reference.py).
 // Work is split by blocks: a task quantizes, or dequantizes, whole blocks.
-#include "../checks.h"
 #include "../flat_plan.h"
-#include "../quant_bodies.h"
+#include "../quant_checks.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,26 +18,11 @@ int64_t block_grain(int64_t n, int64_t nblocks) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
 }
 
-void check_starts(const at::Tensor& starts, const at::Tensor& bytes, int64_t n) {
-  FSDP_EXT_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 &&
-                     starts.is_contiguous() && starts.device() == bytes.device(),
-                 "starts must be a contiguous 1-D int64 tensor on the bytes' device");
-  FSDP_EXT_CHECK(n == 0 || starts.numel() > 0, "starts: n > 0 values need a block");
-}
-
-void check_bytes(const at::Tensor& bytes, const char* name, int64_t need) {
-  FSDP_EXT_CHECK(bytes.scalar_type() == at::kByte && bytes.dim() == 1 && bytes.is_contiguous(),
-                 name, " must be a contiguous 1-D uint8 tensor");
-  FSDP_EXT_CHECK(bytes.numel() >= need, name, " has ", bytes.numel(), " bytes, needs ", need);
-}
-
 // src: n values (fp32/bf16/fp16) -> slot: codes and scales.
 void quantize_into_cpu(const at::Tensor& src, const at::Tensor& slot, const at::Tensor& starts,
                        bool fp8) {
-  CHECK_TENSOR(src, "src", slot.device());
+  check_quantize_into_args(src, slot, starts);
   const int64_t n = src.numel(), nblocks = starts.numel();
-  check_starts(starts, slot, n);
-  check_bytes(slot, "slot", quant_slot_bytes(n, nblocks));
   if (n == 0) return;
   uint8_t* out = slot.mutable_data_ptr<uint8_t>();
   const int64_t* first = starts.const_data_ptr<int64_t>();
@@ -102,22 +86,14 @@ void dequantize_cpu(const at::Tensor& wire, const at::Tensor& out, const at::Ten
 // slot: codes and scales of out.numel() values -> out.
 void dequantize_from_cpu(const at::Tensor& slot, const at::Tensor& out, const at::Tensor& starts,
                          bool fp8) {
-  CHECK_TENSOR(out, "out", slot.device());
-  check_starts(starts, slot, out.numel());
-  const int64_t need = quant_slot_bytes(out.numel(), starts.numel());
-  check_bytes(slot, "slot", need);
-  dequantize_cpu<false>(slot, out, starts, 1, need, fp8);
+  check_dequantize_from_args(slot, out, starts);
+  dequantize_cpu<false>(slot, out, starts, 1, 0, fp8);
 }
 
 // wire: `world` slots, `stride` bytes apart, of out.numel() values each -> out, their sum.
 void dequantize_sum_cpu(const at::Tensor& wire, const at::Tensor& out, const at::Tensor& starts,
                         int64_t world, int64_t stride, bool fp8) {
-  CHECK_TENSOR(out, "out", wire.device());
-  check_starts(starts, wire, out.numel());
-  const int64_t need = quant_slot_bytes(out.numel(), starts.numel());
-  FSDP_EXT_CHECK(world >= 1, "world must be >= 1");
-  FSDP_EXT_CHECK(world == 1 || stride >= need, "stride ", stride, " is below a slot's ", need);
-  check_bytes(wire, "wire", (world - 1) * stride + need);
+  check_dequantize_sum_args(wire, out, starts, world, stride);
   dequantize_cpu<true>(wire, out, starts, world, stride, fp8);
 }
 

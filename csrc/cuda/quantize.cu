@@ -4,9 +4,8 @@
 // quantize: one thread per block (it reads its block twice: amax, then codes); dequantize: one
 // thread per value, which finds its block by binary search over `starts` (a device tensor the
 // runtime makes once per bucket). All on the current stream; nothing waits on the host.
-#include "../checks.h"
 #include "../flat_plan.h"
-#include "../quant_bodies.h"
+#include "../quant_checks.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -49,22 +48,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void check_inputs(const at::Tensor& bytes, const at::Tensor& starts, int64_t n, int64_t need) {
-  FSDP_EXT_CHECK(bytes.is_cuda() && bytes.scalar_type() == at::kByte && bytes.dim() == 1 &&
-                     bytes.is_contiguous(),
-                 "the bytes must be a contiguous 1-D uint8 CUDA tensor");
-  FSDP_EXT_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 &&
-                     starts.is_contiguous() && starts.device() == bytes.device(),
-                 "starts must be a contiguous 1-D int64 tensor on the bytes' device");
-  FSDP_EXT_CHECK(n == 0 || starts.numel() > 0, "starts: n > 0 values need a block");
-  FSDP_EXT_CHECK(bytes.numel() >= need, "the bytes hold ", bytes.numel(), ", need ", need);
-}
-
 void quantize_into_cuda(const at::Tensor& src, const at::Tensor& slot, const at::Tensor& starts,
                         bool fp8) {
-  CHECK_TENSOR(src, "src", slot.device());
+  check_quantize_into_args(src, slot, starts);
   const int64_t n = src.numel(), nblocks = starts.numel();
-  check_inputs(slot, starts, n, quant_slot_bytes(n, nblocks));
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(slot.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -107,19 +94,13 @@ void dequantize_cuda(const at::Tensor& wire, const at::Tensor& out, const at::Te
 
 void dequantize_from_cuda(const at::Tensor& slot, const at::Tensor& out, const at::Tensor& starts,
                           bool fp8) {
-  CHECK_TENSOR(out, "out", slot.device());
-  const int64_t need = quant_slot_bytes(out.numel(), starts.numel());
-  check_inputs(slot, starts, out.numel(), need);
-  dequantize_cuda<false>(slot, out, starts, 1, need, fp8);
+  check_dequantize_from_args(slot, out, starts);
+  dequantize_cuda<false>(slot, out, starts, 1, 0, fp8);
 }
 
 void dequantize_sum_cuda(const at::Tensor& wire, const at::Tensor& out, const at::Tensor& starts,
                          int64_t world, int64_t stride, bool fp8) {
-  CHECK_TENSOR(out, "out", wire.device());
-  const int64_t need = quant_slot_bytes(out.numel(), starts.numel());
-  FSDP_EXT_CHECK(world >= 1, "world must be >= 1");
-  FSDP_EXT_CHECK(world == 1 || stride >= need, "stride ", stride, " is below a slot's ", need);
-  check_inputs(wire, starts, out.numel(), (world - 1) * stride + need);
+  check_dequantize_sum_args(wire, out, starts, world, stride);
   dequantize_cuda<true>(wire, out, starts, world, stride, fp8);
 }
 
