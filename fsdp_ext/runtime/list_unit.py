@@ -1,39 +1,61 @@
 """A unit of several modules (torch's `fully_shard([m1, m2])`): one all-gather and one
-reduce-scatter for all of them. The unit's pre-forward runs at the first member to run in a
-forward, its post-forward once all of them ran (or at the end of the root's forward, for members
-that did not run, as torch does)."""
+reduce-scatter for all of them.
+
+A *pass* opens at the first member to run (the unit's pre-forward: gather, install) and closes
+once every member ran (the unit's post-forward), or at the end of the root's forward for members
+that did not run, or at the end of backward. Members may run in different forwards, as torch's
+FSDP2 allows: torchtitan's chunked loss lets the root's forward run `norm` but not `lm_head`,
+then calls `lm_head` on each sequence chunk outside any root forward with one `backward()` per
+chunk. So while a pass is open (some member yet to run):
+
+  * a member that finds the unit gathered and installed only casts its inputs; one that finds it
+    sharded again (the pass's backward ran, or `reshard()`) redoes the pre-forward;
+  * its outputs take the pre-backward hook only inside the root's forward (backward may reach
+    them before the unit's closing member); a member run outside it (a chunk) takes none, as in
+    torch, so a chunk's backward runs the unit's post-backward without an end-of-backward of its
+    own: what the root and the other units keep gathered for the decoder's backward stays so;
+  * backward hooks may find the unit still in FORWARD.
+Any other transition is checked as for a single module (unit.py, unit_state.py).
+"""
 from __future__ import annotations
 
 import torch
 
 from .mixed_precision import cast_floating
 from .unit import Unit
-from .unit_state import TrainingState, move
+from .unit_state import Installed, TrainingState, move
 
 
 class ListUnit(Unit):
     def __init__(self, *args, **kwargs):
-        self.members_to_run: set[int] = set()  # members yet to run in this forward
+        self.members_to_run: set[int] = set()  # members yet to run in the open pass
         super().__init__(*args, **kwargs)
 
     def _forward_hooks(self):
         return self._member_pre_forward, self._member_post_forward
 
+    @property
+    def pass_open(self) -> bool:
+        return bool(self.members_to_run)
+
     def _member_pre_forward(self, module, args, kwargs):
-        """The first member to run does the unit's pre-forward; the others, whose parameters are
-        then gathered, only cast their inputs. (Recomputation in backward runs per member: the
-        pre-forward is idempotent there.)"""
+        """The first member of a pass does the unit's pre-forward; a later one only casts its
+        inputs while the unit is installed gathered, else redoes the pre-forward. (Recomputation
+        in backward runs per member: the pre-forward is idempotent there.)"""
         schedule = self.schedule
         recomputing = schedule is not None and not schedule.standalone and schedule.in_backward()
-        if self.members_to_run and not recomputing:
+        if recomputing:
+            return self._pre_forward(module, args, kwargs)
+        if (self.pass_open and self.training_state is TrainingState.FORWARD
+                and self.params.installed is Installed.UNSHARDED):
             return cast_floating((args, kwargs), self._input_dtype())
-        if not recomputing:
+        if not self.pass_open:
             self.members_to_run = {id(m) for m in self.members}
         return self._pre_forward(module, args, kwargs)
 
     def _member_post_forward(self, module, args, kwargs, output):
         """The post-forward once every member ran; before that, each output gets the output
-        dtype and the pre-backward hook (backward may reach it first)."""
+        dtype, and inside the root's forward the pre-backward hook."""
         if id(module) not in self.members_to_run:  # recomputation, or a member called again
             if self.schedule.in_backward():
                 return self._post_forward(module, args, kwargs, output)
@@ -41,15 +63,31 @@ class ListUnit(Unit):
         self.members_to_run.discard(id(module))
         if self.members_to_run:
             output = cast_floating(output, self.mp.output_dtype)
-            if torch.is_grad_enabled() and self.training_state is not TrainingState.SUMMONED:
+            if (torch.is_grad_enabled() and self.schedule.in_forward
+                    and self.training_state is not TrainingState.SUMMONED):
                 self._register_pre_backward(output)
             return output
         return self._post_forward(module, args, kwargs, output)
 
+    def _pre_forward_from(self) -> tuple[TrainingState, ...]:
+        """In an open pass also FORWARD (resharded by `reshard()`) and POST_BACKWARD (a chunk's
+        backward ran)."""
+        if self.pass_open:
+            return (*super()._pre_forward_from(), TrainingState.FORWARD,
+                    TrainingState.POST_BACKWARD)
+        return super()._pre_forward_from()
+
+    def _backward_from(self) -> tuple[TrainingState, ...]:
+        """In an open pass also FORWARD: a member run outside the root's forward, whose output's
+        backward comes before the pass closes."""
+        if self.pass_open:
+            return (*super()._backward_from(), TrainingState.FORWARD)
+        return super()._backward_from()
+
     def finish_forward(self) -> None:
         """The root's forward ended with some members not run: their post-forward is done here,
         leaving the parameters sharded."""
-        if not self.members_to_run:
+        if not self.pass_open:
             return
         self.members_to_run.clear()
         if self.training_state is not TrainingState.FORWARD:
@@ -59,6 +97,10 @@ class ListUnit(Unit):
         self.params.install_sharded()
         if not torch.is_grad_enabled() or self.reshards_after_forward:
             self.reshard()
+
+    def end_backward(self) -> None:
+        self.members_to_run.clear()  # a pass left open by members run outside the root's forward
+        super().end_backward()
 
     def start_step(self) -> None:
         self.members_to_run.clear()  # some members did not run in the last forward

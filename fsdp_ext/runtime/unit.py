@@ -213,9 +213,8 @@ class Unit:
             schedule.root_pre_forward()
         if self.training_state is TrainingState.SUMMONED:  # the module holds the full parameters
             return cast_floating((args, kwargs), self._input_dtype())
-        move(self, "training_state", TrainingState.FORWARD,
-             (TrainingState.IDLE, TrainingState.FORWARD) if self.method_depth
-             else (TrainingState.IDLE,), "pre-forward")
+        move(self, "training_state", TrainingState.FORWARD, self._pre_forward_from(),
+             "pre-forward")
         schedule.record_forward(self)
         RECORDER.add("forward.begin", self.name)
         self.unshard()
@@ -268,6 +267,19 @@ class Unit:
             self._register_pre_backward(output)
         return output
 
+    def _pre_forward_from(self) -> tuple[TrainingState, ...]:
+        """The states a pre-forward may find: inside a registered method, its own forward."""
+        if self.method_depth:
+            return TrainingState.IDLE, TrainingState.FORWARD
+        return (TrainingState.IDLE,)
+
+    def _backward_from(self) -> tuple[TrainingState, ...]:
+        """The states a backward hook may find. From POST_BACKWARD too: a unit used twice in
+        forward is freed after the backward of its later use and needed again for the earlier
+        one. IDLE: a unit whose forward output needed no gradient, used by a later one's
+        backward."""
+        return (TrainingState.IDLE, *_BACKWARD)
+
     def _input_dtype(self):
         return self.mp.param_dtype if self.mp.cast_forward_inputs else None
 
@@ -284,10 +296,8 @@ class Unit:
         schedule.backward_started()
         if self.training_state not in _BACKWARD:
             RECORDER.add("backward.begin", self.name)
-        # From POST_BACKWARD too: a unit used twice in forward is freed after the backward of its
-        # later use and needed again for the earlier one.
-        move(self, "training_state", TrainingState.PRE_BACKWARD,
-             (TrainingState.IDLE, *_BACKWARD), "pre-backward")
+        move(self, "training_state", TrainingState.PRE_BACKWARD, self._backward_from(),
+             "pre-backward")
         if not self.unshard_in_backward:  # set_unshard_in_backward(False): no parameter needed
             schedule.prefetch_backward(self, "pre")
             begin_range("backward", self)
@@ -306,9 +316,8 @@ class Unit:
 
     def post_backward(self, grads) -> None:
         """Gradients of one backward use: reduce every trainable bucket, then free the unit."""
-        # IDLE: a unit whose forward output needed no gradient, used by a later one's backward.
-        move(self, "training_state", TrainingState.POST_BACKWARD,
-             (TrainingState.IDLE, *_BACKWARD), "post-backward")
+        move(self, "training_state", TrainingState.POST_BACKWARD, self._backward_from(),
+             "post-backward")
         end_range("backward", self)
         RECORDER.add("backward.end", self.name)
         # Free the gathered parameters before the gradient path allocates its packed buffers:
