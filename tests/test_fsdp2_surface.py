@@ -354,10 +354,6 @@ def check_refused(rank, world):
     pair = [nn.Linear(2, 2), nn.Linear(2, 2)]
     fsdp_ext.fully_shard(pair)
     _raises(lambda: pair[0](torch.ones(1, 2)), "cannot be the root")
-    _raises(lambda: fsdp_ext.fully_shard(nn.Linear(2, 2),
-                                         dp_mesh_dims=torch_fsdp.DataParallelMeshDims(
-                                             shard="dp", replicate="rep")),
-            "dp_mesh_dims")
 
 
 def check_fully_shard_arguments(rank, world):

@@ -40,7 +40,10 @@ F2 = "tests/test_fsdp2_surface.py"
 IO = "tests/test_fsdp2_interop.py"
 TL = "tests/test_training_loop.py"
 BI = "tests/test_bad_inputs.py"
+DP = "tests/test_dp_mesh_dims.py"
 CHECKS = {
+    "dp.hsdp": (DP, "check_hsdp"),
+    "dp.flattened": (DP, "check_flattened_shard_axes"),
     "f1.strategies": (F1, "check_sharding_strategies"),
     "f1.prefetch": (F1, "check_backward_prefetch_and_flags"),
     "f1.mp_offload": (F1, "check_mixed_precision_and_offload"),
@@ -82,7 +85,7 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
     "fsdp.BackwardPrefetch": (TESTED, "f1.prefetch", "torch's enum, read by member name"),
     "fsdp.CPUOffload": (TESTED, "f1.mp_offload", ""),
     "fsdp.CPUOffloadPolicy": (TESTED, "f2.arguments", ""),
-    "fsdp.DataParallelMeshDims": (REFUSED, "f2.refused", "see fully_shard(dp_mesh_dims)"),
+    "fsdp.DataParallelMeshDims": (PARTLY, "dp.hsdp", "see fully_shard(dp_mesh_dims)"),
     "fsdp.FSDPModule": (TESTED, "f2.isinstance",
                         "sharded modules are instances of torch's FSDPModule"),
     "fsdp.FullOptimStateDictConfig": (TESTED, "f1.state_dicts",
@@ -130,8 +133,12 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
     "fully_shard(mp_policy)": (TESTED, "f2.arguments", ""),
     "fully_shard(offload_policy)": (TESTED, "f2.arguments", ""),
     "fully_shard(ignored_params)": (TESTED, "f2.ignored", ""),
-    "fully_shard(dp_mesh_dims)": (REFUSED, "f2.refused",
-                                  "pass the data-parallel sub-mesh as mesh= instead"),
+    "fully_shard(dp_mesh_dims)": (PARTLY, "dp.hsdp",
+                                  "the named axes of the SPMD mesh (one shard axis, several "
+                                  "flattened, HSDP, replicate only) with plain parameters, as "
+                                  "torchtitan's spmd_types backend passes them; a DTensor "
+                                  "parameter on that mesh, or another axis of several ranks "
+                                  "(TP), refused naming the parameter"),
     "fully_shard(module)": (TESTED, "f2.lists",
                             "a module, or a list of modules sharded as one unit"),
     # ---- FSDPModule methods ----
@@ -313,8 +320,9 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
     "MixedPrecisionPolicy.output_dtype": (TESTED, "f2.arguments", ""),
     "MixedPrecisionPolicy.cast_forward_inputs": (TESTED, "f2.arguments", ""),
     "CPUOffloadPolicy.pin_memory": (TESTED, "f2.arguments", ""),
-    "DataParallelMeshDims.shard": (REFUSED, "f2.refused", "see fully_shard(dp_mesh_dims)"),
-    "DataParallelMeshDims.replicate": (REFUSED, "f2.refused", "see fully_shard(dp_mesh_dims)"),
+    "DataParallelMeshDims.shard": (TESTED, "dp.flattened", "one name, or several flattened"),
+    "DataParallelMeshDims.replicate": (TESTED, "dp.hsdp", "with shard: HSDP; alone: "
+                                       "replicate only"),
     "FullStateDictConfig.offload_to_cpu": (TESTED, "f1.state_dicts", ""),
     "FullStateDictConfig.rank0_only": (TESTED, "f1.state_dicts", ""),
     "ShardedStateDictConfig.offload_to_cpu": (TESTED, "f1.state_dicts", ""),

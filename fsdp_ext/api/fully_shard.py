@@ -19,6 +19,7 @@ from ..runtime.list_unit import ListUnit
 from ..runtime.unit import Unit
 from ..state.hooks import install_state_dict_hooks
 from . import default_group, options
+from .dp_mesh_dims import data_parallel_mesh
 from .fsdp_module import FSDPModule
 from .options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -112,7 +113,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         shard_placement_fn: torch's hook choosing a parameter's placement; Shard(0) (or None)
             is honoured, any other placement is refused naming the parameter.
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
-        dp_mesh_dims: torch's SPMD-mesh option; refused (give the data-parallel sub-mesh).
+        dp_mesh_dims: torch's DataParallelMeshDims: `mesh` is then the whole SPMD mesh and these
+            its data-parallel axes (several shard axes flattened into one; a replicate axis makes
+            it HSDP; replicate alone, replicate-only), as torch's; every other axis must have one
+            rank (api/dp_mesh_dims.py).
         param_init_fn: fsdp_ext extension for modules built on the meta device: called on each
             module of the unit once its parameters have storage. Without it, parameters on meta
             stay there until `model.to_empty(device=...)`, as with torch's fully_shard.
@@ -128,12 +132,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             fp8 parameter all-gathers, int8 or bf16 gradient reductions; runtime/comm_policy.py).
             None (default): the root's, if it has one; else exact.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...): pass the data-parallel sub-mesh as `mesh` instead "
-            "(mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
-    for member in _members(module):
+    members = _members(module)
+    for member in members:
         _check_placements(member, shard_placement_fn)
+    if dp_mesh_dims is not None:  # the SPMD mesh and its data-parallel axes
+        if process_group is not None:
+            raise ValueError(f"fully_shard({type(members[0]).__name__}): dp_mesh_dims names axes "
+                             "of `mesh`; pass no process_group with it")
+        mesh, process_group = data_parallel_mesh(members, mesh, dp_mesh_dims,
+                                                 f"fully_shard({type(members[0]).__name__})")
     if mesh is None and process_group is None:
         default_group.ensure_for_fully_shard()
     return shard_module(

@@ -1,0 +1,104 @@
+"""`fully_shard(mesh=<the whole SPMD mesh>, dp_mesh_dims=DataParallelMeshDims(...))`: torch 2.14's
+way of naming the data-parallel axes of a mesh that also carries other parallelisms (torchtitan's
+`spmd_types` and `full_dtensor` backends pass their dense storage mesh so).
+
+The named axes become the unit's data-parallel mesh as torch's `_fsdp_init._get_mesh_info` makes
+it: several shard axes flattened into one (`mesh[names]._flatten("_".join(names))`), a replicate
+axis beside them making it HSDP (`DeviceMesh._concatenate([replicate, shard])`), replicate axes
+alone making it replicate-only (every rank holds the whole unit; gradients all-reduced). From there
+the unit is what `fully_shard(mesh=<that mesh>)` makes of it.
+
+The parameters must hold their data-parallel values whole on every rank: plain tensors (torchtitan's
+`spmd_types` backend annotates them with the `R` type on those axes), and no axis outside the named
+ones may have more than one rank. A parameter that is a DTensor on the SPMD mesh (the
+`full_dtensor` backend), or a mesh whose other axes (tensor or context parallel, not flattened into
+the shard axes) have several ranks, is refused naming the parameter and the axes.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..runtime.registry import unit_of
+
+
+def data_parallel_mesh(members: list[nn.Module], mesh: DeviceMesh | None, dp_mesh_dims,
+                       where: str) -> tuple[DeviceMesh | None, tuple | None]:
+    """(mesh, process_group) for the unit, as `fully_shard` takes them, from the SPMD mesh and
+    its data-parallel axes; raises ValueError / NotImplementedError naming what is wrong."""
+    shard_names, replicate_names = _names(dp_mesh_dims, where)
+    if mesh is None:
+        raise ValueError(f"{where}: dp_mesh_dims names axes of `mesh`; pass the SPMD mesh too")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{where}: mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in (*shard_names, *replicate_names):
+        if name not in names:
+            raise ValueError(f"{where}: dp_mesh_dims names '{name}', which is not an axis of the "
+                             f"mesh (mesh_dim_names {names})")
+    both = set(shard_names) & set(replicate_names)
+    if both:
+        raise ValueError(f"{where}: dp_mesh_dims names {sorted(both)} as both shard and replicate")
+    others = {n: mesh.size(names.index(n)) for n in names
+              if n not in shard_names and n not in replicate_names}
+    _check_params(members, {n: s for n, s in others.items() if s > 1}, where)
+    if not shard_names:  # replicate only: no shard group
+        return None, (None, _submesh(mesh, replicate_names).get_group())
+    shard = _submesh(mesh, shard_names)
+    if not replicate_names:
+        return shard, None
+    return DeviceMesh._concatenate([_submesh(mesh, replicate_names), shard]), None
+
+
+def _names(dp_mesh_dims, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    shard = getattr(dp_mesh_dims, "shard_names", None)
+    replicate = getattr(dp_mesh_dims, "replicate_names", None)
+    if shard is None or replicate is None:
+        raise TypeError(f"{where}: dp_mesh_dims must be a DataParallelMeshDims, got "
+                        f"{type(dp_mesh_dims).__name__}")
+    if not shard and not replicate:
+        raise ValueError(f"{where}: at least one of shard or replicate must be set in "
+                         "dp_mesh_dims")
+    return tuple(shard), tuple(replicate)
+
+
+def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """One axis as it is; several flattened into one, as torch's fully_shard does (the flattened
+    mesh is cached on the root mesh under its name, so every unit shares its process group)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
+def _unit_params(members: list[nn.Module]):
+    """(name, parameter) of what this call shards: not those of submodules sharded before."""
+    for member in members:
+        stack = [("", member)]
+        while stack:
+            prefix, module = stack.pop()
+            for name, param in module.named_parameters(prefix=prefix.rstrip("."), recurse=False):
+                yield name, param
+            stack.extend((f"{prefix}{n}.", c) for n, c in module.named_children()
+                         if unit_of(c) is None)
+
+
+def _check_params(members: list[nn.Module], model_parallel: dict[str, int], where: str) -> None:
+    for name, param in _unit_params(members):
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"{where}: parameter '{name}' is a DTensor on {param.device_mesh} "
+                f"({param.placements}); with dp_mesh_dims fsdp_ext shards plain parameters "
+                "(torchtitan's spmd_types backend) only, not DTensors on the SPMD mesh "
+                "(its full_dtensor backend). Use the spmd_types or partial_dtensor backend")
+        if model_parallel:
+            axes = ", ".join(f"'{n}' ({s} ranks)" for n, s in model_parallel.items())
+            raise NotImplementedError(
+                f"{where}: the mesh's axes {axes} are not data-parallel, so parameter "
+                f"'{name}' would be split over them; fsdp_ext shards over dp_mesh_dims only "
+                "when every other axis has one rank (tensor parallelism: the partial_dtensor "
+                "backend, or parallelize_module on a mesh of its own and fully_shard on the "
+                "data-parallel mesh)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{where}: dp_mesh_dims needs an initialised process group")
