@@ -18,8 +18,8 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 
 venv: $(VENV)/.installed
 
-# Builds fsdp_ext._C in place, with the integrations' extras (accelerate, Lightning) and torchao
-# (tensor-subclass parameters) for their tests.
+# Builds fsdp_ext._C in place, with the integrations' extras (accelerate, Lightning), torchao
+# (tensor-subclass parameters) and torchtitan (its trainer as a test client) for their tests.
 # CPU kernels always. CUDA kernels only where they can run: FSDP_EXT_CUDA=auto (default) builds them
 # when `nvidia-smi -L` lists a GPU (and setup.py finds nvcc and a CUDA torch); 1 forces them, 0 skips
 # them. Without a GPU nothing could run them and `make cuda-check` compiles every .cu file anyway;
@@ -36,7 +36,7 @@ $(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.
 	fi
 	@start=$$(date +%s); \
 	FSDP_EXT_NO_CUDA=$(if $(filter 1,$(BUILD_CUDA)),0,1) MAX_JOBS=$(NPROC) \
-	  $(VPY) -m pip install -q --no-build-isolation -e ".[accelerate,lightning,torchao]" && \
+	  $(VPY) -m pip install -q --no-build-isolation -e ".[accelerate,lightning,torchao,titan]" && \
 	echo "== built in $$(( $$(date +%s) - start )) s"
 	touch $@
 
