@@ -96,6 +96,20 @@ def clip_every_step(rank: int, world_size: int) -> None:
                                    after_backward=lambda model, _: model.clip_grad_norm_(1e9))
 
 
+def post_optim_event(rank: int, world_size: int) -> None:
+    """set_post_optim_event after every optimizer step, as torchtitan's users do on GPUs: the
+    root's first all-gather of the next step waits for that event alone, not for the whole
+    compute stream (work queued after it, such as zero_grad's, may still run)."""
+    from fsdp_ext.runtime import streams
+
+    def after_step(model):
+        device = model._unit.groups.device
+        model.set_post_optim_event(streams.record_event(streams.current_stream(device)))
+        torch.zeros(64).add_(1)  # compute work after the event, on memory the allocator recycles
+    test_runtime._compare_training(rank, world_size, _gpt, _shard_blocks(), _tokens, _gpt_loss,
+                                   steps=4, after_step=after_step)
+
+
 def tensor_parallel(rank: int, world_size: int) -> None:
     """FSDP x TP on a (dp, tp) = (2, 2) mesh: three steps (world 4 only)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,6 +160,7 @@ def scenarios(world_size: int) -> list[tuple[str, object]]:
                 ("in_flight_bound", lambda r, w: test_runtime.check_in_flight_bound(r))]
     out += [("activation_checkpointing", activation_checkpointing),
             ("clip_grad_norm_every_step", clip_every_step),
+            ("post_optim_event", post_optim_event),
             ("prefetch_depths", prefetch_depths), ("explicit_async_unshard", explicit_async_unshard),
             ("offload_then_host_update", offload_then_host_update),
             ("tensor_subclass_params", tensor_subclass_params),

@@ -77,12 +77,12 @@ def check_in_flight_bound(rank: int) -> None:
 
 
 def _compare_training(rank, world_size, build, wrap, batch, loss_fn, steps=3, per_chunk=False,
-                      after_backward=None):
+                      after_backward=None, after_step=None):
     """Train wrapped and reference models; compare losses and gathered parameters.
 
     per_chunk: the reference runs each rank's slice separately and averages (for BatchNorm, whose
     training-mode statistics are per rank by design). after_backward(model, reference): called
-    between each backward and optimizer step.
+    between each backward and optimizer step; after_step(model): after each optimizer step.
     """
     reference = build()
     model = wrap(copy.deepcopy(reference))
@@ -98,6 +98,8 @@ def _compare_training(rank, world_size, build, wrap, batch, loss_fn, steps=3, pe
             after_backward(model, reference)
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
         if per_chunk:
             ref_loss = sum(loss_fn(reference, local_slice(inputs, r, world_size),
                                    local_slice(targets, r, world_size))

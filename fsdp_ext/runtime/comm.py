@@ -256,9 +256,8 @@ class Streams:
         the side stream waits for that event instead of the whole compute stream. `tags()` makes
         the collectives' tags (fingerprints.py), exchanged right before `fn`, on the same stream.
         """
-        # Made here, on the compute stream, which then owns their memory (fingerprints.Tag).
-        issued = [t for t in (tags() if tags is not None else ()) if t is not None]
         if not self.side:
+            issued = _make_tags(tags)
             for tag in issued:
                 tag.exchange()
             try:
@@ -273,6 +272,11 @@ class Streams:
         else:
             streams.wait_stream(stream, streams.current_stream(self.device))
         with streams.use_stream(stream):
+            # Made on the stream that writes them, after its wait: with `after_event` that stream
+            # is not ordered after the compute stream's latest work, so memory the compute stream
+            # allocated now could still be in use by it (the caching allocator recycles a block
+            # as soon as the compute stream queued its last use).
+            issued = _make_tags(tags)
             streams.inject_delay(stream)
             for tag in issued:
                 tag.exchange()
@@ -280,6 +284,10 @@ class Streams:
             event = streams.record_event(stream)
         return Pending(event=event, device=self.device, keep_alive=keep_alive, label=label,
                        timeout=self.timeout, tags=issued)
+
+def _make_tags(tags) -> list:
+    return [t for t in (tags() if tags is not None else ()) if t is not None]
+
 
 # torch 2.14 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -151,8 +151,10 @@ class Tag:
         self.checker, self.group, self.key, self.sequence = checker, group, key, sequence
         self.description, self.value = description, value
         self.on_device = checker.on_device
-        # Allocated on the issuing (compute) stream, written by the collective's stream, read back
-        # on the compute stream and dropped there: the compute stream owns both blocks.
+        # Allocated on the stream that writes them (the collective's: comm.Streams.launch makes
+        # tags there, after that stream's wait), read back on the compute stream after it waited
+        # for the collective, then dropped: the writer's next allocation comes after its next
+        # wait, which orders it after that read.
         self.mine = torch.empty(1, dtype=torch.int64, device=checker.device)
         self.everyone = torch.empty(size, dtype=torch.int64, device=checker.device)
         self.work = self.event = None
