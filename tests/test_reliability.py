@@ -214,7 +214,7 @@ def device_tags_worker(rank: int, world_size: int) -> None:
         finally:
             del os.environ[fingerprints.CHECK_ENV]
     steps = len(model.syncs.steps["agree"])
-    assert steps >= 28 and _runtime_syncs(model, "agree") == {"read_flags": steps}, \
+    assert steps >= 28 and _runtime_syncs(model, "agree") == {"wait_bounded": steps}, \
         _runtime_syncs(model, "agree")
     sync_mode = _runtime_syncs(model, "sync")
     assert sync_mode.get("_check", 0) >= 3 * len(model.syncs.steps["sync"]), sync_mode

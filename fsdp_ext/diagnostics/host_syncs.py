@@ -285,9 +285,9 @@ def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | No
 # Host syncs the runtime may make in a steady-state step, by (file, function): at most this many
 # per step, and why. Everything else the runtime does in a step must not block the host.
 ALLOWED = {
-    ("fsdp_ext/runtime/fingerprints.py", "read_flags"): (
-        1, "the collective tags' one check per step, at the end of backward (a mismatch raises on "
-           "every rank before an optimizer step can use the data)"),
+    ("fsdp_ext/runtime/fingerprints.py", "wait_bounded"): (
+        1, "the collective tags' one check per step (read_flags), at the end of backward (a "
+           "mismatch raises on every rank before an optimizer step can use the data)"),
     ("fsdp_ext/runtime/schedule.py", "sync_host_reads"): (
         1, "CPU offload: the host shards are written by the optimizer step, after their copies to "
            "the device (read by the forward) completed (FSDP2 waits the same way)"),

@@ -138,6 +138,23 @@ def _store():
         return None
 
 
+def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
+    """Block the host until `event` completed; TimeoutError after `timeout` (None: unbounded).
+
+    Polls without sleeping, yielding the interpreter between queries (`sleep(0)`: the heartbeat
+    thread still runs), as CUDA's own event wait spins by default: this is the end of backward,
+    nothing else is queued, and every microsecond between the event and the host noticing it is
+    device idle time. A fixed 100 us sleep between queries (about 160 us on Linux with timer
+    slack) added that much on average (benchmarks/host/poll_latency.py measures both)."""
+    if timeout is not None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not streams.query(event):
+            if time.monotonic() >= deadline:
+                raise TimeoutError("timed out waiting for the step's collectives")
+            time.sleep(0)
+    streams.synchronize(event)
+
+
 class Tag:
     """One tag exchange: made by `CollectiveChecker.issue`, started by `exchange()` right before
     its data collective (on the same stream), checked before that data is used.
@@ -321,13 +338,7 @@ class CollectiveChecker:
         copied = streams.record_event(current)
         self.waiting_at = tags[-1].description
         try:
-            if self.timeout is not None:
-                deadline = time.monotonic() + self.timeout.total_seconds()
-                while not streams.query(copied):
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError("timed out waiting for the step's collectives")
-                    time.sleep(1e-4)
-            streams.synchronize(copied)
+            wait_bounded(copied, self.timeout)
         except Exception as exc:
             arrived = self._flags(len(tags))  # no wait: what the device copied so far
             for tag, bad in zip(tags, arrived):
