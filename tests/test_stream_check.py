@@ -170,6 +170,25 @@ def test_planted_host_sync_is_named():
     run_distributed(planted_sync_worker, 2)
 
 
+def quantized_first_step_worker(rank: int, world_size: int) -> None:
+    """CommPolicy int8 both ways over the first steps, where each bucket's block starts go to
+    the device: no host sync at all from runtime/quantized_comm.py (one non-blocking copy from
+    pinned memory per bucket; one blocking pageable copy per gather group and rank before)."""
+    from . import test_comm_policy as cp
+    import fsdp_ext
+    with stream_check() as model:
+        cp._train(cp._shard(cp._gpt(), "fully_shard", fsdp_ext.CommPolicy("int8", "int8")),
+                  rank, world_size, steps=2)
+    mine = [r for r in model.syncs.records if "runtime/quantized_comm.py" in r.site]
+    assert not mine, mine
+    dist.barrier()
+
+
+@pytest.mark.stream_check
+def test_quantized_first_step_makes_no_host_sync():
+    run_distributed(quantized_first_step_worker, 2)
+
+
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
 def _skip_event_wait(original):
     def wait(self):

@@ -250,6 +250,11 @@ class StreamModel:
         self._new_block(tensor, HOST, "host_empty", _stack(), host=True).pinned = pin
         return tensor
 
+    def host_tensor(self, values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        self._new_block(tensor, HOST, "host_tensor", _stack(), host=True).pinned = pin
+        return tensor
+
     # ---- clocks --------------------------------------------------------------------------------
     def _merge(self, stream: str, other: dict[str, int]) -> None:
         clock = self.clocks[stream]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from . import streams
 
 
 def block_starts(layout, group, rank: int, block: int) -> list[int]:
@@ -43,17 +44,28 @@ def block_starts(layout, group, rank: int, block: int) -> list[int]:
 
 
 class _Starts:
-    """Per bucket: each (group, rank)'s block starts as an int64 tensor on the device, made once
-    (on a GPU, one host-to-device copy per bucket for the whole run), and the group's stride:
-    the largest slot over the ranks, so that every rank's slot has the same size."""
+    """Per bucket: each (group, rank)'s block starts as an int64 tensor on the device, made once,
+    and the group's stride: the largest slot over the ranks, so that every rank's slot has the
+    same size. All of a bucket's starts travel in one copy from pinned host memory that does not
+    block the host (on a GPU: the first step's only copy for them, where one per group and rank
+    was a blocking pageable copy each); the host buffer is kept with them, so the copy may read
+    it whenever it runs."""
 
     def __init__(self, layout, block: int, device: torch.device):
+        per_group = [[block_starts(layout, g, r, block) for r in range(layout.world_size)]
+                     for g in layout.groups]
+        values = [v for ranks in per_group for starts in ranks for v in starts]
+        self._host = streams.host_tensor(values, torch.int64, pin=streams.side_streams(device))
+        flat = self._host.to(device, non_blocking=True)
         self.tensors, self.strides = [], []
-        for g in layout.groups:
-            per_rank = [block_starts(layout, g, r, block) for r in range(layout.world_size)]
-            self.tensors.append([torch.tensor(s, dtype=torch.int64, device=device)
-                                 for s in per_rank])
-            self.strides.append(max(ops.slot_bytes(g.shard_numel, len(s)) for s in per_rank))
+        offset = 0
+        for ranks, g in zip(per_group, layout.groups):
+            views = []
+            for starts in ranks:
+                views.append(flat.narrow(0, offset, len(starts)))
+                offset += len(starts)
+            self.tensors.append(views)
+            self.strides.append(max(ops.slot_bytes(g.shard_numel, len(s)) for s in ranks))
 
 
 def _starts_of(bucket, block: int, device: torch.device) -> _Starts:

@@ -83,6 +83,10 @@ class DeviceStreams:
     def host_empty(self, shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
+    def host_tensor(self, values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        return tensor.pin_memory() if pin else tensor
+
 
 _backend = DeviceStreams()
 
@@ -172,3 +176,8 @@ def free_storage(tensor: torch.Tensor) -> None:
 def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer; `pin` page-locks it so copies to and from a device can be asynchronous."""
     return _backend.host_empty(shape, dtype, pin)
+
+
+def host_tensor(values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor of Python `values`; `pin` as for host_empty."""
+    return _backend.host_tensor(values, dtype, pin)
