@@ -30,46 +30,69 @@ import fsdp_ext  # noqa: E402
 from fsdp_ext.runtime.trace import recording  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's default at the end of its help: the value, "off" for a flag; an option whose
+    absence means something other than a value says so itself, as "(default: ...)"."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
+            return text
+        return f"{text} (default: {'off' if action.nargs == 0 else '%(default)s'})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsHelp)
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks, one unit each")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="peak learning rate (AdamW; 5%% warm-up, then cosine to lr/10)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                   help="bf16: parameters gathered in bf16, gradients reduced in fp32")
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
-    p.add_argument("--api", choices=["fully_shard", "fsdp1"], default="fully_shard")
+                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
+                   help="torch's ShardingStrategy names, for either --api")
+    p.add_argument("--api", choices=["fully_shard", "fsdp1"], default="fully_shard",
+                   help="fsdp1: FullyShardedDataParallel with ModuleWrapPolicy({Block})")
     p.add_argument("--prefetch-depth", type=int, default=1, help="units all-gathered ahead")
     p.add_argument("--comm-policy", default="none",
                    help="fewer bytes on the wire: PARAMS[,GRADS], e.g. int8, int8,int8, fp8,bf16 "
                         "(fsdp_ext.CommPolicy: parameter all-gathers int8|fp8, gradient "
-                        "reductions int8|bf16; default none: exact)")
-    p.add_argument("--losses-json", help="write the logged (step, loss) pairs here (rank 0)")
+                        "reductions int8|bf16; none: exact)")
+    p.add_argument("--losses-json", help="write the logged (step, loss) pairs to this file, rank 0 "
+                                         "(default: not written)")
     p.add_argument("--data", help="a text file to train on (default: this repository's sources)")
-    p.add_argument("--checkpoint-dir", help="save the model here (at the end and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--checkpoint-dir", help="save the model here, at the end and every "
+                                            "--save-every steps (default: no checkpoints)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint-dir's latest checkpoint if it has one (a job "
                         "restarted by torchrun --max-restarts comes back from its last one)")
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on")
     p.add_argument("--stop-after", type=int, default=0,
-                   help="end this run after so many steps (to fit a time slot; resume later)")
+                   help="end this run after so many steps, to fit a time slot and resume later "
+                        "(0: run to --steps)")
     p.add_argument("--profile", action="store_true",
-                   help="profile two steps: Chrome traces and a timeline PNG in --out-dir")
-    p.add_argument("--out-dir", default="out")
+                   help="profile the last two steps: Chrome traces and a timeline PNG in --out-dir")
+    p.add_argument("--out-dir", default="out", help="where --profile writes")
     p.add_argument("--describe", action="store_true",
                    help="run one forward/backward, print the unit plan and exit")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--log-every", type=int, default=10,
+                   help="steps between loss readings (the progress bar, --losses-json)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def init_distributed() -> torch.device:
