@@ -273,7 +273,7 @@ def main(argv=None) -> None:
                 step_times.append(dt)
             tokens_per_s = tokens_per_step / dt
             if profiler is not None and step + 1 == min(profile_at + 2, end):
-                _finish_profiler(profiler, events, args.out_dir, args)
+                _finish_profiler(profiler, events, args.out_dir, args, step + 1)
                 profiler = None
             if (step + 1) % args.log_every == 0 or step + 1 == end:
                 dist.all_reduce(loss)
@@ -315,8 +315,10 @@ def _start_profiler(device):
     return profiler
 
 
-def _finish_profiler(profiler, events, out_dir: str, args) -> None:
-    """Chrome trace per rank; one PNG of the last profiled step with every rank's lanes."""
+def _finish_profiler(profiler, events, out_dir: str, args, step: int) -> None:
+    """Chrome trace per rank; one PNG of the last profiled step (`step`, counted from 1) with every
+    rank's lanes. Its figures are that one step's, so the title says which step it is: the summary
+    at the end gives means over all steps, which differ from any one of them."""
     from fsdp_ext.diagnostics import timeline
     profiler.__exit__(None, None, None)
     os.makedirs(out_dir, exist_ok=True)
@@ -324,13 +326,15 @@ def _finish_profiler(profiler, events, out_dir: str, args) -> None:
     profiler.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json"))
     per_rank = timeline.gather_to_rank0(timeline.last_step(events))
     if rank == 0:
-        title = (f"fsdp_ext timeline: GPT {args.n_layer} layers d_model {args.d_model}, "
+        title = (f"fsdp_ext timeline of one step (step {step} of {args.steps}, profiled): "
+                 f"GPT {args.n_layer} layers d_model {args.d_model}, "
                  f"{dist.get_world_size()} ranks, {args.api}/{args.sharding_strategy}, "
                  f"prefetch depth {args.prefetch_depth}, "
                  f"{'bf16' if args.mixed_precision == 'bf16' else 'fp32'}")
         path = os.path.join(out_dir, "timeline.png")
         timeline.draw(per_rank, path, title)
-        report.write(f"wrote {out_dir}/trace_rank*.json and {path}")
+        report.write(f"wrote {out_dir}/trace_rank*.json and {path} (step {step} alone; the "
+                     "summary below gives means over the steps)")
 
 
 if __name__ == "__main__":
