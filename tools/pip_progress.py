@@ -68,7 +68,7 @@ class Filter:
         if text.startswith("ninja: no work to do"):
             return ["   nothing to compile: the objects under build/ are current"]
         m = LINK.search(line)
-        if m and ("g++" in line or "c++" in line or "gcc" in line or "cc " in line):
+        if m:
             self.phase = "linking"
             return [f"   linking {os.path.basename(m.group(1))}  ({fmt(elapsed)})"]
         if text.startswith("Installing collected packages:"):
