@@ -107,6 +107,8 @@ def summary(step_times: list[float], tokens_per_step: int, events, steps_recorde
         lines.append(f"{rank:>4} {step * 1e3:>8.1f} {rss:>12,.0f} {cuda:>13,.0f} "
                      f"{ms(ag_fly):>13} {ms(ag_exp):>11} {ms(max(ag_fly - ag_exp, 0)):>10} "
                      f"{ms(rs_fly):>13} {ms(rs_exp):>11} {ms(max(rs_fly - rs_exp, 0)):>10}")
-    lines.append("communication per step: exposed = launching + waiting for it; hidden = in "
-                 "flight while the model computed (upper bound)")
+    lines += [f"step ms: the median step time; AG / RS: all-gather / reduce-scatter time per step, "
+              f"the mean over the {steps_recorded} steps recorded (all but the first)",
+              "in flight = issue to end of its wait; exposed = launching + waiting for it; "
+              "hidden = in flight while the model computed (upper bound)"]
     return "\n".join(lines)

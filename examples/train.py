@@ -30,46 +30,69 @@ import fsdp_ext  # noqa: E402
 from fsdp_ext.runtime.trace import recording  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's default at the end of its help: the value, "off" for a flag; an option whose
+    absence means something other than a value says so itself, as "(default: ...)"."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
+            return text
+        return f"{text} (default: {'off' if action.nargs == 0 else '%(default)s'})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsHelp)
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks, one unit each")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="peak learning rate (AdamW; 5%% warm-up, then cosine to lr/10)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                   help="bf16: parameters gathered in bf16, gradients reduced in fp32")
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
-    p.add_argument("--api", choices=["fully_shard", "fsdp1"], default="fully_shard")
+                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
+                   help="torch's ShardingStrategy names, for either --api")
+    p.add_argument("--api", choices=["fully_shard", "fsdp1"], default="fully_shard",
+                   help="fsdp1: FullyShardedDataParallel with ModuleWrapPolicy({Block})")
     p.add_argument("--prefetch-depth", type=int, default=1, help="units all-gathered ahead")
     p.add_argument("--comm-policy", default="none",
                    help="fewer bytes on the wire: PARAMS[,GRADS], e.g. int8, int8,int8, fp8,bf16 "
                         "(fsdp_ext.CommPolicy: parameter all-gathers int8|fp8, gradient "
-                        "reductions int8|bf16; default none: exact)")
-    p.add_argument("--losses-json", help="write the logged (step, loss) pairs here (rank 0)")
+                        "reductions int8|bf16; none: exact)")
+    p.add_argument("--losses-json", help="write the logged (step, loss) pairs to this file, rank 0 "
+                                         "(default: not written)")
     p.add_argument("--data", help="a text file to train on (default: this repository's sources)")
-    p.add_argument("--checkpoint-dir", help="save the model here (at the end and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--checkpoint-dir", help="save the model here, at the end and every "
+                                            "--save-every steps (default: no checkpoints)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint-dir's latest checkpoint if it has one (a job "
                         "restarted by torchrun --max-restarts comes back from its last one)")
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on")
     p.add_argument("--stop-after", type=int, default=0,
-                   help="end this run after so many steps (to fit a time slot; resume later)")
+                   help="end this run after so many steps, to fit a time slot and resume later "
+                        "(0: run to --steps)")
     p.add_argument("--profile", action="store_true",
-                   help="profile two steps: Chrome traces and a timeline PNG in --out-dir")
-    p.add_argument("--out-dir", default="out")
+                   help="profile the last two steps: Chrome traces and a timeline PNG in --out-dir")
+    p.add_argument("--out-dir", default="out", help="where --profile writes")
     p.add_argument("--describe", action="store_true",
                    help="run one forward/backward, print the unit plan and exit")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--log-every", type=int, default=10,
+                   help="steps between loss readings (the progress bar, --losses-json)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def init_distributed() -> torch.device:
@@ -250,7 +273,7 @@ def main(argv=None) -> None:
                 step_times.append(dt)
             tokens_per_s = tokens_per_step / dt
             if profiler is not None and step + 1 == min(profile_at + 2, end):
-                _finish_profiler(profiler, events, args.out_dir, args)
+                _finish_profiler(profiler, events, args.out_dir, args, step + 1)
                 profiler = None
             if (step + 1) % args.log_every == 0 or step + 1 == end:
                 dist.all_reduce(loss)
@@ -292,8 +315,10 @@ def _start_profiler(device):
     return profiler
 
 
-def _finish_profiler(profiler, events, out_dir: str, args) -> None:
-    """Chrome trace per rank; one PNG of the last profiled step with every rank's lanes."""
+def _finish_profiler(profiler, events, out_dir: str, args, step: int) -> None:
+    """Chrome trace per rank; one PNG of the last profiled step (`step`, counted from 1) with every
+    rank's lanes. Its figures are that one step's, so the title says which step it is: the summary
+    at the end gives means over all steps, which differ from any one of them."""
     from fsdp_ext.diagnostics import timeline
     profiler.__exit__(None, None, None)
     os.makedirs(out_dir, exist_ok=True)
@@ -301,13 +326,15 @@ def _finish_profiler(profiler, events, out_dir: str, args) -> None:
     profiler.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json"))
     per_rank = timeline.gather_to_rank0(timeline.last_step(events))
     if rank == 0:
-        title = (f"fsdp_ext timeline: GPT {args.n_layer} layers d_model {args.d_model}, "
+        title = (f"fsdp_ext timeline of one step (step {step} of {args.steps}, profiled): "
+                 f"GPT {args.n_layer} layers d_model {args.d_model}, "
                  f"{dist.get_world_size()} ranks, {args.api}/{args.sharding_strategy}, "
                  f"prefetch depth {args.prefetch_depth}, "
                  f"{'bf16' if args.mixed_precision == 'bf16' else 'fp32'}")
         path = os.path.join(out_dir, "timeline.png")
         timeline.draw(per_rank, path, title)
-        report.write(f"wrote {out_dir}/trace_rank*.json and {path}")
+        report.write(f"wrote {out_dir}/trace_rank*.json and {path} (step {step} alone; the "
+                     "summary below gives means over the steps)")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,16 @@ def test_python_blocks_run(page, tmp_path):
                     f"{proc.returncode}, ranks finished: {finished})\n--- stderr ---\n"
                     f"{proc.stderr[-8000:]}\n--- stdout ---\n{proc.stdout[-2000:]}",
                     pytrace=False)
+    for line in PRINTS.get(page, ()):  # what the page says its script prints on success
+        assert line in proc.stdout, (line, proc.stdout[-2000:])
+
+
+# The lines README.md's script prints (rank 0), as the README shows them.
+PRINTS = {"README.md": [
+    "fully_shard: 3 units on 2 ranks, one training step on DTensor shards; DCP checkpoint saved "
+    "to checkpoints/readme, read back",
+    "FullyShardedDataParallel: forward and backward on 2 ranks, parameters under the unwrapped "
+    "model's names"]}
 
 
 @pytest.mark.parametrize("page", PAGES)

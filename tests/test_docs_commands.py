@@ -4,6 +4,10 @@ The launch commands of docs/integrations.md: each ```bash block that calls torch
 bash from the top of the checkout (its first line activates the venv that `make build` made; with
 no such venv there is nothing to run as printed, and the test skips).
 
+The main job's options: `examples/train.py --help` shows every option's default, and
+docs/training.md's table, which says it lists them as --help does, has every option. `make help`
+lists every target the Makefile declares.
+
 The benchmark commands of README.md and docs/*.md, `python -m benchmarks.<folder>.<script> ARGS`
 in ```bash blocks and in inline code: each names a script of the benchmarks package, and every
 option it passes is one that script's parser defines (read from its source, nothing run); the
@@ -14,6 +18,7 @@ they run the same way.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import shlex
@@ -132,3 +137,35 @@ def test_printed_benchmark_scripts_import(module):
                           env=environment_without_launcher(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-3000:]
+
+
+def _train_parser():
+    spec = importlib.util.spec_from_file_location("_train_for_help",
+                                                  os.path.join(ROOT, "examples", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser()
+
+
+def test_train_options_show_their_defaults_and_are_documented():
+    parser = _train_parser()
+    formatter = parser._get_formatter()
+    options = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            text = formatter._get_help_string(action) % vars(action)
+            assert text.count("(default") == 1, f"{action.option_strings[0]}: {text!r}"
+            options[action.option_strings[0]] = text
+    table = [line.split("|")[1] for line in read("docs/training.md").splitlines()
+             if line.startswith("| `--")]
+    documented = set(re.findall(r"--[a-z][a-z-]*", " ".join(table)))
+    assert documented == set(options), (sorted(set(options) - documented),
+                                        sorted(documented - set(options)))
+
+
+def test_make_help_lists_every_target():
+    makefile = read("Makefile")
+    phony = set(re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split())
+    noted = set(re.findall(r"^([a-z][a-z-]*):[^\n]*## ", makefile, re.M))
+    assert noted == phony, (sorted(phony - noted), sorted(noted - phony))
+    assert re.search(r"^\.DEFAULT_GOAL := help$", makefile, re.M)

@@ -174,12 +174,14 @@ LEGEND = [("FWD", "forward compute"), ("BWD", "backward compute"), ("AG", "all-g
 
 
 def draw(per_rank: list[list[Event]], path: str, title: str = "") -> list[Label]:
-    """One PNG: for each rank a compute lane, an all-gather lane and a reduce-scatter lane.
+    """One PNG: for each rank a compute lane, an all-gather lane and a reduce-scatter lane, and
+    under the title each rank's communication totals over the events drawn (one step, as
+    `last_step` cuts them), said to be that, not an average over a run.
     Returns the labels written on bars: (label, (rank, lane, sub-row), left, right), in pixels."""
     notes = []
     for rank, events in enumerate(per_rank):
         stats = comm_stats(events)
-        notes.append(f"rank {rank}: " + ", ".join(
+        notes.append(f"rank {rank}, this step: " + ", ".join(
             f"{_COMM[c]} {v['in_flight'] * 1e3:.1f} ms in flight / {v['exposed'] * 1e3:.1f} ms exposed"
             for c, v in stats.items()))
     numbers = unit_numbers(per_rank[0]) if per_rank else {}
