@@ -34,12 +34,14 @@ ACTIVATE = os.path.join(ROOT, ".venv", "bin", "activate")
 BLOCKS = [(start, code) for lang, start, code in fenced_blocks(read("docs/integrations.md"))
           if lang == "bash" and "torchrun" in code]
 # What each printed launch shows when it trained, and how many times: titan_flow.py prints the
-# mean loss on rank 0, hf_trainer.py each of the 2 ranks its own micro-batch losses.
-EXPECTED = {"titan_flow.py": ("step 5: loss", 1), "hf_trainer.py": ("micro-batch losses", 2)}
+# mean loss on rank 0, hf_trainer.py each of the 2 ranks its own micro-batch losses, torchtitan's
+# trainer (tests/titan_cpu.py) which implementation sharded the model, on rank 0.
+EXPECTED = {"titan_flow.py": ("step 5: loss", 1), "hf_trainer.py": ("micro-batch losses", 2),
+            "tests.titan_cpu": ("FSDP implementation: fsdp_ext (", 1)}
 
 
 def test_the_page_prints_launch_commands():
-    assert len(BLOCKS) == 2
+    assert len(BLOCKS) == 3
     for _, code in BLOCKS:
         assert code.startswith("source .venv/bin/activate"), code
 
