@@ -34,7 +34,7 @@ from fsdp_ext.runtime import unit as unit_module
 from fsdp_ext.runtime.schedule import Schedule
 from fsdp_ext.runtime.unit_state import ShardedState
 
-from . import parity, stream_scenarios
+from . import parity, stream_scenarios, test_runtime
 from .dist_utils import run_distributed
 
 CPU = torch.device("cpu")
@@ -189,6 +189,36 @@ def test_quantized_first_step_makes_no_host_sync():
     run_distributed(quantized_first_step_worker, 2)
 
 
+def offload_clip_worker(rank: int, world_size: int) -> None:
+    """CPU offload with clip_grad_norm_ every step (four units): the clip's own host syncs are
+    one per step, the coefficient the host needs to scale the host gradients (the norms of
+    every unit go to the device in one copy from pinned memory; one blocking copy per unit
+    before); and the runtime's, one per optimizer step in all."""
+    import fsdp_ext
+
+    def clip(model, _):
+        if isinstance(model, fsdp_ext.FSDPModule):
+            model.clip_grad_norm_(1e9)
+    with stream_check() as model:
+        with model.syncs.label("offload_clip"):
+            test_runtime._compare_training(
+                rank, world_size, stream_scenarios._gpt,
+                stream_scenarios._shard_blocks(offload_policy=fsdp_ext.CPUOffloadPolicy()),
+                stream_scenarios._tokens, stream_scenarios._gpt_loss, steps=4,
+                after_backward=clip)
+    steps = model.syncs.steps_of("offload_clip")
+    clip_syncs = [r for r in model.syncs.steady() if "api/clip.py" in r.site]
+    assert steps >= 2 and len(clip_syncs) <= steps, (steps, clip_syncs)
+    bad = host_syncs.over_allowance(model.syncs.per_step())
+    assert not bad, bad
+    dist.barrier()
+
+
+@pytest.mark.stream_check
+def test_offload_clip_syncs_once_per_step():
+    run_distributed(offload_clip_worker, 2)
+
+
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
 def _skip_event_wait(original):
     def wait(self):
@@ -229,10 +259,10 @@ def _drop_post_forward_chunks(original):
 
 
 def _no_host_sync(original):
-    def sync_host_reads(self):
-        self.host_read_event = None  # planted: the host never waits for the copies of its shards
+    def order_host_reads(self):
+        self.host_read_event = None  # planted: nothing waits for the copies of the host shards
         original(self)
-    return sync_host_reads
+    return order_host_reads
 
 
 def _reshard_2(rank: int, world_size: int) -> None:
@@ -250,7 +280,7 @@ PLANTS = {
     "post_forward_chunks_dropped": (unit_module.Unit, "unshard", _drop_post_forward_chunks,
                                     _reshard_2, "(b)"),
     "offloaded_shards_written_during_their_copy": (
-        Schedule, "sync_host_reads", _no_host_sync, stream_scenarios.offload_then_host_update,
+        Schedule, "order_host_reads", _no_host_sync, stream_scenarios.offload_then_host_update,
         "(a)"),
 }
 
@@ -292,7 +322,7 @@ def scenario_worker(rank: int, world_size: int) -> None:
     rows = model.syncs.per_step()
     if rank == 0:  # make stream-check prints it (python -m fsdp_ext.diagnostics.host_syncs)
         os.makedirs(SYNC_TABLE_DIR, exist_ok=True)
-        steps = {name: len(model.syncs.steps[name])
+        steps = {name: model.syncs.steps_of(name)
                  for name, _ in stream_scenarios.scenarios(world_size)}
         with open(os.path.join(SYNC_TABLE_DIR, f"syncs_w{world_size}.json"), "w") as f:
             json.dump({"world_size": world_size, "steps": steps,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import dtensor_params
+from ..runtime import dtensor_params, streams
 from ..runtime.errors import NonFiniteGradientError
 from ..runtime.registry import units_of
 
@@ -33,8 +33,8 @@ def _reduction_groups(unit, slot) -> tuple:
 
 def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.Tensor]]:
     """This rank's contributions for one unit, per set of groups to reduce over: sum of |g|^p,
-    or max |g| for p = inf (fp32), on the unit's compute device: offloaded gradients live on the
-    host, but the all-reduce (NCCL on a GPU) takes tensors of the process group's device."""
+    or max |g| for p = inf (fp32), where the gradients are (offloaded ones on the host:
+    _to_device moves them, all units' at once)."""
     by_groups: dict[tuple, tuple[tuple, list]] = {}
     for bucket in unit.buckets:  # every parameter's key, gradient or not: the same on all ranks
         for slot in bucket.slots:
@@ -48,8 +48,25 @@ def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.
         if grads:
             stacked = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
             term = (stacked.max() if math.isinf(norm_type) else (stacked ** norm_type).sum())
-        terms[key] = (groups, term.to(unit.groups.device))
+        terms[key] = (groups, term)
     return terms
+
+
+def _to_device(terms: list[torch.Tensor], on_host: list[bool],
+               device: torch.device) -> list[torch.Tensor]:
+    """`terms` on `device`, where the all-reduce (NCCL on a GPU) needs them: those computed on
+    the host (`on_host`: CPU offload) travel in one copy from pinned memory that does not block
+    the host, instead of one blocking copy each."""
+    away = [i for i, host in enumerate(on_host) if host]
+    if not away:
+        return terms
+    staged = streams.host_empty(len(away), torch.float32, pin=streams.side_streams(device))
+    torch.stack([terms[i].float() for i in away], out=staged)
+    moved = staged.to(device, non_blocking=True)
+    out = list(terms)
+    for j, i in enumerate(away):
+        out[i] = moved[j]
+    return out
 
 
 def _local_grads(units) -> list[torch.Tensor]:
@@ -78,14 +95,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not units:
         raise ValueError(f"{type(model).__name__} has no fully_shard units")
     # Units normally share one shard group; sum per set of groups so mixed groupings stay right.
+    device = units[0].groups.device
+    found = [(unit, key, groups, term) for unit in units
+             for key, (groups, term) in _local_norm_terms(unit, norm_type).items()]
+    moved = _to_device([term for *_, term in found],
+                       [unit.offload is not None for unit, *_ in found], device)
     totals: dict[tuple, tuple[tuple, torch.Tensor]] = {}
-    per_unit: list[torch.Tensor | None] = []
-    for unit in units:
-        unit_total = None
-        for key, (groups, term) in _local_norm_terms(unit, norm_type).items():
-            totals[key] = (groups, _combine(totals.get(key, (None, None))[1], term, norm_type))
-            unit_total = _combine(unit_total, term, norm_type)
-        per_unit.append(unit_total)
+    by_unit: dict[int, torch.Tensor] = {}
+    for (unit, key, groups, _), term in zip(found, moved):
+        totals[key] = (groups, _combine(totals.get(key, (None, None))[1], term, norm_type))
+        by_unit[id(unit)] = _combine(by_unit.get(id(unit)), term, norm_type)
+    per_unit = [by_unit.get(id(unit)) for unit in units]
     reduced = []
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     for groups, total in sorted(totals.values(), key=lambda item: len(item[0])):
@@ -93,7 +113,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             if group is not None:
                 dist.all_reduce(total, op=op, group=group)
         reduced.append(total)
-    device = units[0].groups.device
     if not reduced:
         total_norm = torch.zeros((), dtype=torch.float32, device=device)
     elif math.isinf(norm_type):

@@ -1,5 +1,7 @@
 """Host syncs: the calls that would make the host wait for an accelerator, counted by call site
-under the stream-order model (stream_check.py), per steady-state training step.
+under the stream-order model (stream_check.py), per steady-state optimizer step (with gradient
+accumulation a step spans several forwards and backwards; a scenario without an optimizer counts
+per forward).
 
 On a GPU the host must run ahead of the device, queueing kernels while earlier ones run. A call
 that needs a device value on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`), a copy
@@ -109,12 +111,39 @@ class HostSyncCounter:
         self.records: list[HostSync] = []
         self.scenario = ""
         self.steps: dict[str, set] = collections.defaultdict(set)  # scenario -> steady steps
+        # scenario -> the steady-state iterations, as in `steps`, in which an optimizer stepped
+        # (a reference model's optimizer stepping beside the sharded one's counts once), and
+        # those that began without gradients (evaluation): see steps_of
+        self.optimizer_steps: dict[str, set] = collections.defaultdict(set)
+        self.no_grad: dict[str, set] = collections.defaultdict(set)
+        self._root = 0  # the root whose iteration runs (id)
         self._scalars: dict[int, tuple[int, bool]] = {}  # 0-dim storage -> (weak ref, host)
 
     # ---- what the model tells us ---------------------------------------------------------------
     def iteration_started(self, owner: object, iteration: int) -> None:
+        self._root = id(owner)
         if iteration >= STEADY_FROM:
             self.steps[self.scenario].add((id(owner), iteration))
+            if not torch.is_grad_enabled():
+                self.no_grad[self.scenario].add((id(owner), iteration))
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer's step() returned (a global post-hook installed by stream_check)."""
+        if self.model.iteration >= STEADY_FROM:
+            self.optimizer_steps[self.scenario].add((self._root, self.model.iteration))
+
+    def steps_of(self, scenario: str) -> int:
+        """What a scenario's syncs are counted per, over its steady-state iterations: each
+        optimizer step (with gradient accumulation a step spans several iterations), each
+        iteration without gradients (an evaluation forward is a step of its own), and each
+        iteration with gradients after the root's last optimizer step (a backward no optimizer
+        step follows). Without an optimizer: every iteration."""
+        optimizer, no_grad = self.optimizer_steps[scenario], self.no_grad[scenario]
+        last = collections.defaultdict(int)
+        for root, iteration in optimizer:
+            last[root] = max(last[root], iteration)
+        trailing = {(root, i) for root, i in self.steps[scenario] - no_grad if i > last[root]}
+        return len(optimizer) + len(no_grad) + len(trailing)
 
     def note_scalar(self, tensor: torch.Tensor, host: bool) -> None:
         """A 0-dim tensor was made, on the host or on the device (see the module docstring)."""
@@ -177,13 +206,13 @@ class HostSyncCounter:
         return [r for r in self.records if r.step >= STEADY_FROM and r.origin != "setup"]
 
     def per_step(self) -> dict[tuple[str, str, str, str], float]:
-        """(scenario, origin, site, kind) -> steady-state syncs per step (user code summed into
-        one row per scenario: its sites are the script's, not the library's)."""
+        """(scenario, origin, site, kind) -> steady-state syncs per optimizer step (steps_of; user
+        code summed into one row per scenario: its sites are the script's, not the library's)."""
         counts: dict[tuple, int] = collections.Counter()
         for r in self.steady():
             site, kind = (r.site, r.kind) if r.origin != "user" else ("(the script and torch)", "*")
             counts[(r.scenario, r.origin, site, kind)] += 1
-        return {key: n / max(1, len(self.steps[key[0]])) for key, n in counts.items()}
+        return {key: n / max(1, self.steps_of(key[0])) for key, n in counts.items()}
 
 
 def _names_host(device) -> bool:
@@ -252,8 +281,8 @@ class SyncCalls(TorchFunctionMode):
         if target is None and other is None:
             return None
         counter = self.counter
-        if source.dim() == 0 or counter.on_device(source):
-            return None
+        if counter.on_device(source):
+            return None  # (a 0-dim host scalar to the device is a blocking copy too)
         if other is not None and not counter.on_device(other):
             return None
         non_blocking = kwargs.get("non_blocking", next(
@@ -282,16 +311,20 @@ def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | No
     return f"copy_ {direction} ({'pageable' if non_blocking else 'blocking'})"
 
 
-# Host syncs the runtime may make in a steady-state step, by (file, function): at most this many
-# per step, and why. Everything else the runtime does in a step must not block the host.
+# Where the runtime may make its host sync, by (file, function), and why: one per optimizer step
+# in all (ALLOWED_PER_STEP), at one of these; everything else the runtime does in a step must not
+# block the host.
 ALLOWED = {
     ("fsdp_ext/runtime/fingerprints.py", "wait_bounded"): (
-        1, "the collective tags' one check per step (read_flags), at the end of backward (a "
-           "mismatch raises on every rank before an optimizer step can use the data)"),
+        1, "the collective tags' one check per step (read_flags), at the end of the backward that "
+           "reduces gradients (a mismatch raises on every rank before an optimizer step can use "
+           "the data); with CPU offload it also covers the host shards' copies to the device"),
     ("fsdp_ext/runtime/schedule.py", "sync_host_reads"): (
-        1, "CPU offload: the host shards are written by the optimizer step, after their copies to "
-           "the device (read by the forward) completed (FSDP2 waits the same way)"),
+        1, "CPU offload without the tags on the device: the host shards are written by the "
+           "optimizer step, after their copies to the device (read by the forward) completed "
+           "(FSDP2 waits the same way)"),
 }
+ALLOWED_PER_STEP = 1
 
 
 def _key(site: str) -> tuple[str, str]:
@@ -301,21 +334,27 @@ def _key(site: str) -> tuple[str, str]:
 
 
 def over_allowance(rows: dict) -> list[str]:
-    """The runtime's steady-state sites beyond ALLOWED (rows: HostSyncCounter.per_step())."""
-    bad = []
+    """The runtime's steady-state syncs beyond the allowance (rows: HostSyncCounter.per_step()):
+    a site not in ALLOWED, or more than ALLOWED_PER_STEP per optimizer step in a scenario."""
+    bad, totals = [], collections.Counter()
     for (scenario, origin, site, kind), rate in sorted(rows.items()):
         if origin != "runtime":
             continue
+        totals[scenario] += rate
         limit = ALLOWED.get(_key(site), (0, ""))[0]
         if rate > limit + 1e-9:
             bad.append(f"{scenario}: {site}: {kind}, {rate:g} per step (allowed: {limit})")
+    for scenario, total in sorted(totals.items()):
+        if total > ALLOWED_PER_STEP + 1e-9:
+            bad.append(f"{scenario}: {total:g} runtime host syncs per optimizer step in all "
+                       f"(allowed: {ALLOWED_PER_STEP})")
     return bad
 
 
 def table(rows: dict, steps: dict[str, int]) -> str:
-    """Markdown: per scenario, the runtime's syncs per steady-state step (its total first, then by
-    site), then fsdp_ext functions the user called, then the script's own."""
-    lines = ["| scenario | steady steps | from | syncs per step | call site (kind) |",
+    """Markdown: per scenario, the runtime's syncs per steady-state optimizer step (its total
+    first, then by site), then fsdp_ext functions the user called, then the script's own."""
+    lines = ["| scenario | steady optimizer steps | from | syncs per step | call site (kind) |",
              "|---|---|---|---|---|"]
     order = {"runtime": 0, "api": 1, "user": 2}
     for scenario in sorted(steps):
@@ -338,7 +377,7 @@ def main() -> None:
         with open(path) as f:
             data = json.load(f)
         rows = {tuple(r[:4]): r[4] for r in data["rows"]}
-        print(f"\nHost syncs per steady-state step (iteration {STEADY_FROM} on), world "
+        print(f"\nHost syncs per steady-state optimizer step (iteration {STEADY_FROM} on), world "
               f"{data['world_size']}, under the stream-order model (diagnostics/host_syncs.py):\n")
         print(table(rows, data["steps"]))
 

@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -404,8 +405,8 @@ class _OpAccesses(TorchDispatchMode):
             # the result of host scalars is a host scalar; of none (a factory), the device's
             # unless the factory had no device (SyncCalls says so afterwards)
             host = bool(scalars) and all(model.syncs.scalar_is_host(t) for t in scalars)
-            if fresh_outputs:
-                self._allocated(result, func, [])
+            if fresh_outputs:  # (what host scalars make, torch.stack of them, is host memory)
+                self._allocated(result, func, [], HOST if host else None, host)
                 self._scalars(result, host)
             outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             model.on_op(HOST if host or not outputs else model.current_stream(outputs[0].device).name,
@@ -525,10 +526,15 @@ def stream_check(raise_on_exit: bool = True, model: StreamModel | None = None):
     whose `problems` lists what was found; with `raise_on_exit`, StreamOrderError if any.
     `model`: a StreamModel (or a subclass that records more) to use instead of a new one."""
     model = model if model is not None else StreamModel()
-    with streams.backend_installed(model), _OpAccesses(model), SyncCalls(model.syncs), \
-            _explicit_synchronize(model):
-        yield model
-        model.poll_frees()
+    counted = register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: model.syncs.optimizer_stepped())
+    try:
+        with streams.backend_installed(model), _OpAccesses(model), SyncCalls(model.syncs), \
+                _explicit_synchronize(model):
+            yield model
+            model.poll_frees()
+    finally:
+        counted.remove()
     if raise_on_exit and model.problems:
         raise StreamOrderError(f"{len(model.problems)} stream-order problem(s):\n"
                                + "\n".join(model.problems))

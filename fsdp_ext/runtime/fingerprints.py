@@ -318,7 +318,13 @@ class CollectiveChecker:
             buffer.fill_(-1)
         return values
 
-    def read_flags(self) -> None:
+    def defer_flags(self) -> None:
+        """A backward that reduced no gradient ended (a no_sync micro-batch): its tags are read
+        with the next read_flags, at the end of the backward that reduces them, before the
+        optimizer step that would use them."""
+        self._read_since_forward = True
+
+    def read_flags(self) -> bool:
         """On the device: the one host sync of a step (the end of backward; the end of a forward
         without gradients; else the next forward). Compares the tags whose data nobody waited for
         (after their exchange only: the data may still be in flight), then waits, bounded, until
@@ -328,7 +334,7 @@ class CollectiveChecker:
         self._read_since_forward = True
         tags, self.unread = self.unread, []
         if not tags:
-            return
+            return False
         current = streams.current_stream(self.device)
         for tag in tags:
             if tag.bad is None:
@@ -350,6 +356,7 @@ class CollectiveChecker:
         for tag, bad in zip(tags, self._flags(len(tags))):
             if bad > 0:
                 self.report_mismatch(tag)
+        return True
 
     # ---- reports ------------------------------------------------------------------------------------
     def _exchange(self, tag: Tag, mine: str) -> dict[int, str]:

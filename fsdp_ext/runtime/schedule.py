@@ -56,6 +56,7 @@ class Schedule:
         # (optimizer steps, state-dict loads, user edits) must not write a shard before that.
         self.host_read_event = None
         self.host_work: list = []  # after_host_sync
+        self._host_reads_ordered = False  # the compute stream waited for them; the host not yet
         # Units a forward with grad left unsharded (the root, the last unit) for its backward;
         # emptied when that backward ends. Still there at the next root forward: that backward
         # never ran, and their gathered values may be stale (the shards may have changed since).
@@ -100,7 +101,8 @@ class Schedule:
         if self._backward_queued:  # the last backward raised before its end-of-backward callback
             self.abandon_backward()
         self.drain_reduce_scatters()
-        self.sync_host_reads()  # (only if the drain left offloaded gradients to accumulate)
+        if self.host_work:  # the drain left offloaded gradients to accumulate on the host
+            self.sync_host_reads()
         for unit in self.kept_for_backward:  # by a forward whose backward never ran
             unit.reshard()
         self.kept_for_backward = []
@@ -125,8 +127,7 @@ class Schedule:
             self._position = {unit: i for i, unit in enumerate(self.forward_order)}
         if not torch.is_grad_enabled():
             self.reshard_all()
-            self.sync_host_reads()  # no backward follows: the next host write may come now
-            self.checker.read_flags()
+            self._end_of_step_sync()  # no backward follows: the next host write may come now
         else:
             self.kept_for_backward = [u for u in self.units if u.params.gathered()]
 
@@ -195,7 +196,8 @@ class Schedule:
         end or the next forward; set_reshard_after_backward(False) keeps that unit gathered)."""
         if self.options.is_last_backward:
             self.drain_reduce_scatters()
-        self.sync_host_reads()
+        reduced = any(unit.requires_gradient_sync and unit.params.grad_indices
+                      for unit in self.units)
         self.kept_for_backward = []
         for unit in self.units:
             if unit.reshard_after_backward:
@@ -205,7 +207,21 @@ class Schedule:
         self.checker.backward_finished()
         self._report_idle_units()
         RECORDER.add("backward.finalize", self.root.name)
-        self.checker.read_flags()  # last: a mismatch raises with the units already sharded
+        # Last, so that a mismatch raises with the units already sharded. A backward that reduced
+        # nothing (no_sync micro-batches) precedes no optimizer step: its flags and host reads
+        # are waited for with the next one's, once per optimizer step.
+        if reduced:
+            self._end_of_step_sync()
+        else:
+            self.checker.defer_flags()
+
+    def _end_of_step_sync(self) -> None:
+        """The one host sync of a step: the compute stream is ordered after the offloaded shards'
+        reads first, so that the collective tags' flag wait also covers them; the host
+        epilogues run once it returned (a sync of their own only without tags on the device)."""
+        self.order_host_reads()
+        synced = self.checker.read_flags()
+        self.sync_host_reads(already_synced=synced)
 
     def _report_idle_units(self) -> None:
         """Name, once each, the trainable units whose forward did not run in this step: their
@@ -227,23 +243,31 @@ class Schedule:
         next wait for the device: CPU offload's gradient epilogues, at the end of backward."""
         self.host_work.append(work)
 
-    def sync_host_reads(self) -> None:
+    def sync_host_reads(self, already_synced: bool = False) -> None:
         """CPU offload with side streams, once per step: block the host until the all-gather
         stream has read every host shard it was asked to (the optimizer step writes them next) and
         the reduce-scatter stream has copied every gradient to the host, then run the host
         epilogues that read those copies. One wait for both: the compute stream waited for every
         reduce-scatter it finished, and waits here for the host shards' reads. Nothing to do
         otherwise."""
-        if self.host_read_event is None and not self.host_work:
+        if self.host_read_event is None and not self.host_work and not self._host_reads_ordered:
             return
-        current = streams.current_stream(self.root.groups.device)
-        if self.host_read_event is not None:
-            streams.wait_event(current, self.host_read_event)
-            self.host_read_event = None
-        streams.synchronize(streams.record_event(current))
+        self.order_host_reads()
+        if not already_synced:
+            current = streams.current_stream(self.root.groups.device)
+            streams.synchronize(streams.record_event(current))
+        self._host_reads_ordered = False
         work, self.host_work = self.host_work, []
         for run in work:
             run()
+
+    def order_host_reads(self) -> None:
+        """The compute stream waits for the latest read of the host shards (no host sync)."""
+        if self.host_read_event is not None:
+            streams.wait_event(streams.current_stream(self.root.groups.device),
+                               self.host_read_event)
+            self.host_read_event = None
+            self._host_reads_ordered = True
 
     def abandon_backward(self) -> None:
         """Clean up after a backward that raised (a hook, a collective, a non-finite gradient).
