@@ -6,8 +6,13 @@ Run as one process per rank (tests/proc_launch.py sets RANK, WORLD_SIZE, MASTER_
 
 At step `--fail-step`, rank WORLD_SIZE-1 sleeps forever in the forward of blocks.1 (sleep),
 SIGKILLs itself there (kill), calls os._exit in that block's backward (exit), or raises there
-(raise), or leaves its training loop before that step and ends normally (leave); the other ranks
-run the script unchanged. With --ckpt-dir every rank saves a
+(raise), or leaves its training loop before that step and ends normally (leave); before that
+step's forward it SIGKILLs itself (kill_before_forward) or sleeps forever (sleep_before_forward):
+with --fail-step 0, before the first all-gather. The other ranks run the script unchanged.
+Mode unpadded_hook gives every rank the same bug instead: the head's weight (in the root unit,
+gathered first; 4 rows, uneven over 3 ranks) is a tensor subclass whose fsdp_pre_all_gather
+returns the unpadded local rows, so at world 3 the last rank (the padded one) raises at the first
+all-gather, naming the parameter. With --ckpt-dir every rank saves a
 checkpoint after each step (`step-N`: N steps done), and mode kill_in_save SIGKILLs that rank
 inside the save of step-`fail-step`, after its shards are written and before the checkpoint is
 published; --resume starts from the directory's latest checkpoint. Each rank prints
@@ -81,7 +86,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="none",
                         choices=["none", "sleep", "kill", "exit", "raise", "leave",
-                                 "kill_in_save"])
+                                 "kill_in_save", "kill_before_forward", "sleep_before_forward",
+                                 "unpadded_hook"])
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--fail-step", type=int, default=2)
@@ -97,6 +103,10 @@ def main() -> None:
     # A long process-group timeout: whatever ends the survivors sooner is fsdp_ext's doing.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     model = build_model()
+    if args.mode == "unpadded_hook":
+        from tests.subclass_recipes import HiLo
+        layer = model[3]
+        layer.weight = nn.Parameter(HiLo.from_float(layer.weight))
     for block in list(model)[:3]:
         fsdp_ext.fully_shard(block)
     fsdp_ext.fully_shard(model)
@@ -111,7 +121,11 @@ def main() -> None:
         if step == args.fail_step and failing and args.mode == "leave":
             print("LEFT", flush=True)  # e.g. its data loader ran out a batch early
             break
-        if step == args.fail_step and failing and args.mode not in ("kill_in_save", "leave"):
+        if step == args.fail_step and failing and args.mode == "kill_before_forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.fail_step and failing and args.mode == "sleep_before_forward":
+            time.sleep(3600)
+        if step == args.fail_step and failing and args.mode in ("sleep", "kill", "exit", "raise"):
             _inject(model[1], args.mode)
         x, y = (t[rank * per_rank:(rank + 1) * per_rank] for t in make_batch(step))
         loss = loss_of(model, x, y)

@@ -1,16 +1,23 @@
 """dcp.async_save of fsdp_ext's model and optimizer state (torchtitan's async mode): training goes
 on while it saves, the checkpoint holds the values at the call, and it loads bit-exactly into
 fsdp_ext and into torch's FSDP2 at another world size. Thread staging, and process staging with
-pinned shared memory; `copy.deepcopy` and `torch.save` of the same state dict too."""
+pinned shared memory; `copy.deepcopy` and `torch.save` of the same state dict too. Then
+fsdp_ext.save_checkpoint(async_save=True) several times without a wait: one save in flight at a
+time (state/checkpoint.py, [Note: one save in flight])."""
 from __future__ import annotations
 
 import copy
+import faulthandler
 import io
+import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
+
+import fsdp_ext
 
 from . import fsdp2_scripts as scripts
 from .dist_utils import run_distributed
@@ -126,3 +133,81 @@ def checkpoint_dir(tmp_path_factory):
 def test_async_save_holds_the_values_at_the_call(phase, world_size, checkpoint_dir):
     run_distributed(save_worker if phase == "save" else load_worker, world_size, checkpoint_dir,
                     timeout_s=300)
+
+
+def _exit_if_still_running(seconds: float) -> None:
+    """End this rank after `seconds`, printing every thread's stack: a hang fails the test
+    instead of stalling it (the checkpoint's group waits 30 min by default). faulthandler's
+    watchdog is a C thread: it fires even while a hung collective holds the GIL."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def back_to_back_worker(rank: int, world: int, directory: str) -> None:
+    """save_checkpoint(async_save=True) twice without a wait in between, then twice more with a
+    training step before each: a save started while another is in flight waits for it and
+    publishes it first. Nothing hangs, each checkpoint holds the values at its call, and
+    `latest` names the last one."""
+    _exit_if_still_running(60)
+    if rank == world - 1:  # a slower disk here: this rank's writer ends after the others'
+        from torch.distributed.checkpoint import FileSystemWriter
+        write_data = FileSystemWriter.write_data
+
+        def slow_write_data(self, plan, planner):
+            time.sleep(0.5)
+            return write_data(self, plan, planner)
+        FileSystemWriter.write_data = slow_write_data
+    model = scripts.shard(scripts.ours(), scripts.build())
+    opt = scripts.adamw(model)
+    scripts.train(model, opt, 1, rank, world)
+    at_call, pending = {}, {}
+    for step in (1, 2, 3, 4):
+        if step >= 3:
+            scripts.train(model, opt, 1, rank, world, first_step=step)
+        at_call[step] = scripts.full_params(model)
+        pending[step] = fsdp_ext.save_checkpoint(directory, model, opt, step=step,
+                                                 extra={"step": step}, async_save=True)
+    published_by_the_next_save = [pending[step].path is not None for step in (1, 2, 3)]
+    paths = {step: p.result() for step, p in pending.items()}  # (hung here, every rank)
+    assert published_by_the_next_save == [True, True, True]
+    assert paths == {step: os.path.join(directory, f"step-{step}") for step in paths}, paths
+    with open(os.path.join(directory, "latest")) as f:
+        assert f.read().strip() == "step-4"
+    for step in (1, 2, 3, 4):
+        resumed = scripts.shard(scripts.ours(), scripts.build(seed=5))
+        loaded, extra = fsdp_ext.load_checkpoint(directory, resumed, scripts.adamw(resumed),
+                                                 step=step)
+        assert (loaded, extra) == (step, {"step": step})
+        for name, value in scripts.full_params(resumed).items():
+            assert torch.equal(value, at_call[step][name]), (step, name)
+    _failed_save_in_flight(rank, model, opt, directory)
+    dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _failed_save_in_flight(rank: int, model, opt, directory: str) -> None:
+    """An async save whose writes fail on rank 0: the next save raises its error on every rank
+    and does not start; `latest` stays on the last good checkpoint; a save after that works."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    write_data = FileSystemWriter.write_data
+
+    def failing_write_data(self, plan, planner):
+        raise OSError("simulated disk failure")
+    if rank == 0:  # (called on the writer thread, after save_checkpoint returned)
+        FileSystemWriter.write_data = failing_write_data
+    try:
+        failed = fsdp_ext.save_checkpoint(directory, model, opt, step=5, async_save=True)
+        with pytest.raises(fsdp_ext.CheckpointError, match="simulated disk failure") as info:
+            fsdp_ext.save_checkpoint(directory, model, opt, step=6)
+    finally:
+        FileSystemWriter.write_data = write_data
+    assert "step 6 was not saved" in " ".join(getattr(info.value, "__notes__", [])), info.value
+    assert failed.path is None
+    for step in (5, 6):
+        assert not os.path.exists(os.path.join(directory, f"step-{step}")), step
+    with open(os.path.join(directory, "latest")) as f:
+        assert f.read().strip() == "step-4"
+    assert fsdp_ext.save_checkpoint(directory, model, opt, step=6).endswith("step-6")
+
+
+def test_async_saves_back_to_back(tmp_path):
+    run_distributed(back_to_back_worker, 2, str(tmp_path))

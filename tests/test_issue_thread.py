@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext import ops
-from fsdp_ext.runtime import comm
+from fsdp_ext.runtime import comm, process_groups
 
 from .dist_utils import on_world_and_last_two, run_distributed
 from .parity import cases_for, run_case
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="needs the compil
 
 
 def _queued_gathers_match_gloo(group, rank: int, world: int, gen: torch.Generator) -> None:
-    issue_group = comm.issue_thread_group(group)
-    assert issue_group is not group and comm.issue_thread_group(group) is issue_group
+    issue_group = process_groups.issue_thread_group(group)
+    assert issue_group is not group and process_groups.issue_thread_group(group) is issue_group
     jobs = []
     for n, dtypes in [(1, [torch.float32]), (1000, [torch.float32, torch.bfloat16]),
                       (65537, [torch.bfloat16, torch.float32, torch.float16])]:
@@ -69,7 +69,7 @@ def _parity_without_the_thread(rank: int, world_size: int) -> None:
     os.environ[comm.ISSUE_THREAD_ENV] = "0"  # read when a root's schedule is made
     for case in cases_for(world_size):
         run_case(case, rank, world_size)
-    assert not comm._ISSUE_GROUP_CACHE, "the issue thread was used although switched off"
+    assert not process_groups._ISSUE_GROUP_CACHE, "the issue thread was used although switched off"
 
 
 def test_training_parity_with_the_issue_thread_switched_off():
@@ -79,7 +79,7 @@ def test_training_parity_with_the_issue_thread_switched_off():
 def _parity_uses_the_thread(rank: int, world_size: int) -> None:
     for case in cases_for(world_size)[:2]:
         run_case(case, rank, world_size)
-    assert comm._ISSUE_GROUP_CACHE, "the runtime did not issue through the issue thread"
+    assert process_groups._ISSUE_GROUP_CACHE, "the runtime did not issue through the issue thread"
 
 
 def test_training_issues_all_gathers_on_the_thread_by_default():

@@ -305,6 +305,84 @@ def test_dead_rank_ends_survivors(mode, world_size, exit_code):
         assert all(_names_last_rank(m, world_size) for m in messages), messages
 
 
+# ---- a rank that fails before the first all-gather --------------------------------------------------
+MEET_ERROR = re.compile(r"CollectiveError: rank (\d+): cannot create the issue thread's process "
+                        r"group \(made at the root's first forward\) over ranks \[0, 1\]: "
+                        r"rank\(s\) \[1\] did not arrive")
+
+
+@pytest.mark.parametrize("mode,how", [
+    ("kill_before_forward", "(a member's connection broke: it exited or died)"),
+    pytest.param("sleep_before_forward", "within 5 s (collective_timeout)",
+                 marks=pytest.mark.slow),
+], ids=["dead", "stuck"])
+def test_rank_failing_before_the_first_all_gather_is_named(mode, how):
+    """The last rank of 2 dies (at once) or blocks (within the collective timeout) after
+    fully_shard, before its first forward: the other ends with a CollectiveError naming it, where
+    the root's first forward creates the issue thread's group, before any collective. (The group
+    used to be made in the first all-gather, where the survivor waited for the dead rank for the
+    process group's timeout, 10 min here, whatever the collective timeout; torch's FSDP2, which
+    makes no group, fails at once: "Connection closed by peer".)"""
+    env = {"FSDP_EXT_COLLECTIVE_TIMEOUT_S": "5"}
+    with Ranks(["tests/fault_script.py", "--mode", mode, "--fail-step", "0"], 2, env) as ranks:
+        survivor = ranks.wait([0], DEADLINE_S)[0]
+    assert survivor.returncode not in (None, 0), survivor.output[-3000:]
+    assert survivor.seconds < 60, (survivor.seconds, survivor.output[-3000:])
+    match = MEET_ERROR.search(survivor.output)
+    assert match and match.group(1) == "0", survivor.output[-3000:]
+    assert how in survivor.output, survivor.output[-3000:]
+
+
+@pytest.mark.slow
+def test_one_rank_error_at_the_first_all_gather_ends_every_rank():
+    """At world 3 the last rank's subclass hook returns its unpadded rows: that rank raises at
+    the first all-gather, naming the parameter, and the others end with a CollectiveError naming
+    it (they used to wait in the issue thread's group creation, past 60 s with a collective
+    timeout of 20 s)."""
+    world_size = 3
+    env = {"FSDP_EXT_COLLECTIVE_TIMEOUT_S": "20"}
+    with Ranks(["tests/fault_script.py", "--mode", "unpadded_hook", "--fail-step", "0"],
+               world_size, env) as ranks:
+        results = ranks.wait(range(world_size), DEADLINE_S)
+    padded = results[world_size - 1]
+    assert padded.returncode == 1, padded.output[-3000:]
+    assert "parameter '3.weight' (HiLo) is sharded unevenly" in padded.output, padded.output
+    messages = _assert_survivors_report(results, world_size)
+    assert all(_names_last_rank(m, world_size) for m in messages), messages
+
+
+def late_member_worker(rank: int, world_size: int) -> None:
+    """process_groups.meet, the wait before every group the runtime creates, on gloo (a barrier)
+    and as on other backends (the store, polled): members that all arrive pass; a member later
+    than the bound is named by the others, and raises itself when it arrives instead of waiting
+    in the creation for the ones that gave up."""
+    from fsdp_ext.runtime import process_groups
+    bound = datetime.timedelta(seconds=2)
+    get_backend = dist.get_backend
+    for backend in ("gloo", "nccl"):
+        parent = dist.new_group(list(range(world_size)))
+        dist.get_backend = lambda group=None: backend  # (the store path runs on gloo groups too)
+        try:
+            process_groups.meet(parent, bound, "a test group")
+            if rank == world_size - 1:
+                time.sleep(4)
+                expected = "this rank arrived after the others' collective_timeout of 2 s"
+            else:
+                expected = (f"rank(s) [{world_size - 1}] did not arrive (dead, stuck, or running "
+                            "other code) within 2 s (collective_timeout)")
+            with pytest.raises(fsdp_ext.CollectiveError, match=re.escape(
+                    f"rank {rank}: cannot create a test group: {expected}")):
+                process_groups.meet(parent, bound, "a test group")
+        finally:
+            dist.get_backend = get_backend
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_late_member_at_group_creation_is_named_on_both_sides():
+    run_distributed(late_member_worker, 2)
+
+
 def _reference_losses(steps: int) -> list[float]:
     """The unwrapped model trained in this process on the whole batch: the uninterrupted run."""
     from .fault_script import build_model, loss_of, make_batch, make_optimizer

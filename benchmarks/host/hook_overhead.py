@@ -118,9 +118,10 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
 
 def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
     """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
-    from fsdp_ext.runtime import comm
+    from fsdp_ext.runtime import comm, process_groups
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = comm.issue_thread_group(dist.group.WORLD) if comm.issue_thread_enabled() else None
+    group = (process_groups.issue_thread_group(dist.group.WORLD) if comm.issue_thread_enabled()
+             else None)
     n = 1 << 18
     full, shard = torch.empty(n * world), torch.randn(n)
     noop, wait = [], []
@@ -144,8 +145,8 @@ def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
     init_rank(rank, world_size, port, timeout_s=300)
-    from fsdp_ext.runtime import comm
-    alone = comm.subgroup([rank])  # every hook runs, nothing to gather from peers
+    from fsdp_ext.runtime import process_groups
+    alone = process_groups.subgroup([rank])  # every hook runs, nothing to gather from peers
     configs = [(f"d={args.d}, k={args.k}, world {world_size}", args.d, args.k, None),
                (f"d=64, k={args.k}, one-rank group", 64, args.k, alone),
                ("d=64, k=0, one-rank group (no sleep)", 64, 0, alone)]

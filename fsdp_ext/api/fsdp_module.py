@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from ..runtime import comm
+from ..runtime import comm, process_groups
 from ..runtime.forward_methods import run_method
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
@@ -185,8 +185,9 @@ class FSDPModule(_TorchFSDPModule):
         """Gradient reductions on their own process group over the shard ranks (collective:
         every rank calls it at the same point)."""
         for unit in _units_under(self, recurse):
-            unit.groups.separate_reduce_scatter = (comm.separate_group(unit.groups.shard)
-                                                   if enable else None)
+            timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout)
+            unit.groups.separate_reduce_scatter = (
+                process_groups.separate_group(unit.groups.shard, timeout) if enable else None)
 
     # ---- resharding and prefetch --------------------------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:

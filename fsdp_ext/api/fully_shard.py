@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
-from ..runtime import comm
+from ..runtime import comm, process_groups
 from ..runtime.comm_policy import check_policy
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
@@ -44,7 +44,8 @@ def _device_for(module: nn.Module, mesh_device_type: str | None, offload: bool) 
     return next(iter(devices)) if devices else torch.device("cpu")
 
 
-def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward) -> comm.Groups:
+def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward,
+                 timeout) -> comm.Groups:
     shard = replicate = None
     if mesh is not None:
         if mesh.ndim == 1:
@@ -71,7 +72,7 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
         if k < 1:
             raise ValueError(f"reshard_after_forward={k} must be >= 1")
         if 1 < k < groups.shard_size:
-            groups.post_forward = comm.post_forward_group(shard, k)
+            groups.post_forward = process_groups.post_forward_group(shard, k, timeout)
             groups.post_forward_size = k
     return groups
 
@@ -124,7 +125,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
         collective_timeout: seconds a rank waits on one of this root's collectives before raising
             CollectiveError naming the unit (read by the root; default: the environment variable
-            FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s; 0: only the process group's timeout).
+            FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s; 0: only the process group's timeout). It
+            also bounds the wait for the other ranks where a process group is created: this
+            call's own (reshard_after_forward=k) and, the root's, those of its first forward.
         check_finite_grads: raise NonFiniteGradientError naming the unit, parameter and rank as
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
@@ -217,7 +220,8 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
                     sub._buffers[name] = buf.to(device)
     check_mesh_and_groups(members[0], mesh, process_group)
     install_step_check()  # an optimizer built before this call is caught at its first step
-    groups = _groups_from(mesh, process_group, device, reshard_after_forward)
+    groups = _groups_from(mesh, process_group, device, reshard_after_forward,
+                          comm.collective_timeout(collective_timeout))
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1

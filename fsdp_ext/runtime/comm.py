@@ -1,4 +1,5 @@
-"""Collectives over torch.distributed and the process groups a unit talks to.
+"""Collectives over torch.distributed and the process groups a unit talks to (those the runtime
+creates: process_groups.py).
 
 Overlap works the same way on both device kinds, with one small record per collective that holds
 the tensors it reads and writes until someone waits on it (no `record_stream`):
@@ -30,9 +31,6 @@ if ops.HAVE_EXTENSION:
     # Everything queued is issued before the interpreter finalizes (the thread holds tensors).
     atexit.register(_C.drain_issue_thread)
 
-_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
-_ISSUE_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
-_ISSUE_GROUP_BY_GROUP: dict[dist.ProcessGroup, dist.ProcessGroup] = {}  # the lookup, per call
 TIMEOUT_ENV = "FSDP_EXT_COLLECTIVE_TIMEOUT_S"
 ISSUE_THREAD_ENV = "FSDP_EXT_ISSUE_THREAD"  # "0": CPU all-gathers are issued by the compute thread
 
@@ -110,60 +108,6 @@ class Groups:
         return dist.get_rank(self.post_forward) if self.post_forward is not None else 0
 
 
-def _group_once(cache: dict, global_ranks) -> dist.ProcessGroup:
-    # Keyed by the default group too: after destroy_process_group and a new init, groups of the
-    # old world are dead even where their ranks match.
-    key = (dist.group.WORLD, tuple(global_ranks))
-    if key not in cache:
-        cache[key] = dist.new_group(list(global_ranks), use_local_synchronization=True)
-    return cache[key]
-
-
-def subgroup(global_ranks: list[int]) -> dist.ProcessGroup:
-    """A process group over `global_ranks`, created once (only its members need to call this)."""
-    return _group_once(_GROUP_CACHE, global_ranks)
-
-
-def issue_thread_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A second process group over the ranks of `group`, used only by the issue thread.
-
-    The members of a process group must issue its collectives in the same order; the compute
-    thread's collectives (gradient reductions, checks) and the issue thread's all-gathers
-    interleave differently on every rank, so each kind gets its own group. Created on first use,
-    which every member reaches at the same point of the same unit's first all-gather.
-    """
-    if group is None:
-        return None
-    if (found := _ISSUE_GROUP_BY_GROUP.get(group)) is None:
-        found = _ISSUE_GROUP_BY_GROUP[group] = _group_once(
-            _ISSUE_GROUP_CACHE, dist.get_process_group_ranks(group))
-    return found
-
-
-_SEPARATE_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
-
-
-def separate_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """Another process group over `group`'s ranks (one per rank set), for the reductions."""
-    if group is None:
-        return None
-    return _group_once(_SEPARATE_GROUP_CACHE, dist.get_process_group_ranks(group))
-
-
-def post_forward_group(shard: dist.ProcessGroup | None, size: int) -> dist.ProcessGroup | None:
-    """The `size` consecutive ranks of the shard group that this rank regathers with in backward.
-
-    Consecutive ranks are the ones on the same node, as in FSDP2's `reshard_after_forward=int`.
-    """
-    if shard is None or size <= 1:
-        return None
-    ranks = dist.get_process_group_ranks(shard)
-    if len(ranks) % size:
-        raise ValueError(f"reshard_after_forward={size} must divide the shard group size {len(ranks)}")
-    start = dist.get_rank(shard) // size * size
-    return subgroup(ranks[start:start + size])
-
-
 def issue_thread_enabled() -> bool:
     """CPU all-gathers go through the issue thread unless FSDP_EXT_ISSUE_THREAD=0 (or the compiled
     extension is missing): then the compute thread issues them itself."""
@@ -174,7 +118,8 @@ def issue_all_gather(fulls: list[torch.Tensor], sources: list[torch.Tensor], slo
                      group: dist.ProcessGroup | None, label: str,
                      timeout: datetime.timedelta | None) -> "Pending":
     """Queue on the issue thread: copy each source into slot `slot` of its (filled) flat buffer,
-    then gather the other slots over `group` (an issue_thread_group) by one broadcast per rank."""
+    then gather the other slots over `group` (process_groups.issue_thread_group) by one broadcast
+    per rank."""
     job = _C.issue_all_gather(fulls, sources, slot, group)  # holds the tensors until waited
     return Pending(label=label, timeout=timeout, job=job)
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .comm import subgroup
+from .process_groups import subgroup
 
 
 def storage_mesh(mesh: DeviceMesh | None, shard_group, replicate_group,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from . import comm, quantized_comm, storage_cache
+from . import comm, process_groups, quantized_comm, storage_cache
 from .bucket import Bucket
 from .offload import to_compute_device
 from .trace import profiler_range
@@ -70,7 +70,7 @@ def start(buckets: list[Bucket], fulls: list[torch.Tensor], chunks, group, slot:
         # `group` too, from this thread, right after the tag.
         issued = [t.exchange() for t in tags() if t is not None]
         record.pending = comm.issue_all_gather(
-            issued_targets, sources_, slot, comm.issue_thread_group(group),
+            issued_targets, sources_, slot, process_groups.issue_thread_group(group),
             label, streams_.timeout)
         for bucket_targets, bucket_sources in here:
             record.pending.works += copy_in_and_gather(bucket_targets, bucket_sources, slot,

@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from . import comm, streams
+from . import comm, process_groups, streams
 from .fingerprints import CollectiveChecker
 from .registry import unit_name, units_with_paths
 from .trace import RECORDER
@@ -42,6 +42,9 @@ class Schedule:
             self.streams = comm.Streams(root.groups.device, timeout)
         self.checker = CollectiveChecker(root.groups.device, timeout=timeout,
                                          side_streams=self.streams.side)
+        # Before any collective, bounded: a rank that fails before its first all-gather leaves
+        # the others in a wait that names it, not in a group creation (process_groups.py).
+        process_groups.make_issue_thread_groups(units, self.streams.issue_thread, timeout)
         self.prefetching = False  # set while _prefetch issues all-gathers (their tags say so)
         self.forward_order: list[Unit] = []
         self._position: dict[Unit, int] = {}   # unit -> index in forward_order (prefetch lookups)

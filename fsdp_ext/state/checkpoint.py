@@ -4,7 +4,21 @@ save_checkpoint: every rank writes its own shards (DCP dedupes replicas) into `.
 (with `async_save`, in the background: the state is staged first, the publication waits for
 `PendingCheckpoint.result()`); the ranks hash what was written; rank 0 writes the manifest and
 publishes the directory with renames (see checkpoint_files). A crash at any point before the last
-rename leaves `latest` and the checkpoint it names untouched.
+rename leaves `latest` and the checkpoint it names untouched. One save at a time: a save waits
+for the asynchronous one in flight and publishes it first ([Note: one save in flight]).
+
+[Note: one save in flight]
+DCP's writer thread issues collectives (the plan, the write results) on the checkpoint's gloo
+group. Two writer threads on one group interleave them differently on each rank (a rank whose
+disk is slower finishes the first save's writes after the second save planned): the collectives
+pair wrongly and every rank hangs. So save_checkpoint first waits for the save in flight, as
+`result()` would (torchtitan likewise waits for its previous async save before the next). It
+also publishes in call order, so `latest` names the newest checkpoint and a failed save leaves
+the one before it in place. Alternatives considered: a group per save (torch's dcp.async_save
+works so) lets the writes overlap, but each save would hold its own staged copy of the state,
+cost a group creation (a collective) per save, and publish in whichever order the writes end,
+so an older step could replace a newer one in `latest`; refusing the second save would turn a
+schedule torchtitan users run as is (a save every N steps, with N small) into an error.
 
 load_checkpoint: rank 0 resolves the checkpoint, checks the manifest and reads DCP's metadata, and
 broadcasts the outcome, so a missing or damaged checkpoint raises on every rank instead of leaving
@@ -61,8 +75,11 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     tensors, numbers, strings, containers) is stored as is and returned by load_checkpoint.
     Returns the published path; with `async_save` a PendingCheckpoint at once: the state is
     staged (copied) before this returns, the files are written in the background while training
-    goes on, and `result()` (every rank, before the next save) waits for them and publishes.
+    goes on, and `result()` (every rank) waits for them and publishes. A save started while an
+    asynchronous one is in flight first waits for it and publishes it; an error of that save is
+    raised here, and this one does not start.
     """
+    _finish_the_save_in_flight(step)
     directory = os.fspath(directory)
     on_rank0(lambda: files.prepare_tmp(directory, step))
     tmp = files.tmp_dir(directory, step)
@@ -76,12 +93,27 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
             if async_save:
                 pending.future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp),
                                                 process_group=_async_group())
+                _IN_FLIGHT.append(pending)
                 return pending
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     return pending.result()
 
 
 _ASYNC_GROUP: list = []
+_IN_FLIGHT: list = []  # the asynchronous save not published yet (at most one)
+
+
+def _finish_the_save_in_flight(step: int) -> None:
+    """Wait for the asynchronous save in flight and publish it ([Note: one save in flight])."""
+    while _IN_FLIGHT:
+        earlier = _IN_FLIGHT[0]
+        try:
+            earlier.result()
+        except BaseException as exc:
+            exc.add_note(f"(raised by save_checkpoint(step={step}), which waits for the "
+                         f"asynchronous save of step {earlier.step} first; step {step} was not "
+                         "saved)")
+            raise
 
 
 def _async_group():
@@ -118,6 +150,13 @@ class PendingCheckpoint:
         """Wait for the files, hash them, write the manifest and publish; the published path."""
         if self.path is not None:
             return self.path
+        try:
+            return self._publish()
+        finally:  # published or failed: no longer in flight
+            if self in _IN_FLIGHT:
+                _IN_FLIGHT.remove(self)
+
+    def _publish(self) -> str:
         if self.future is not None:
             future, self.future = self.future, None
             with self.failing():
