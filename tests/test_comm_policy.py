@@ -167,6 +167,22 @@ def check_bad_input(rank: int, world: int) -> None:
                              comm_policy=CommPolicy(grad_reduce="int8"))
     with pytest.raises(TypeError, match="comm_policy must be an fsdp_ext.CommPolicy"):
         fsdp_ext.fully_shard(_gpt().blocks[0], comm_policy={"param_gather": "int8"})
+    # The same check where a child inherits the root's policy (at the root's first forward,
+    # before any collective); a policy of its own (exact) opts the child out.
+    fp16_grads = fsdp_ext.MixedPrecisionPolicy(reduce_dtype=torch.float16)
+    int8, bf16 = CommPolicy(grad_reduce="int8"), CommPolicy(grad_reduce="bf16")
+    for policy, own in ((int8, None), (bf16, None), (bf16, CommPolicy())):
+        model = _gpt()
+        fsdp_ext.fully_shard(model.blocks[1], mp_policy=fp16_grads, comm_policy=own)
+        fsdp_ext.fully_shard(model, comm_policy=policy)
+        if own is not None:
+            model(*_batch(0, rank)).backward()
+            assert model.blocks[1]._unit.buckets[0].comm_policy is None
+            continue
+        with pytest.raises(ValueError, match=(
+                rf"fully_shard\(Block\) 'blocks\.1', which inherits its root's comm_policy .*"
+                rf"CommPolicy\(grad_reduce='{policy.grad_reduce}'\).*reduce_dtype=torch.float16")):
+            model(*_batch(0, rank))
 
 
 CHECKS = [check_training_follows_exact, check_gathered_parameters, check_reduced_gradients,
