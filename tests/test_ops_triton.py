@@ -286,6 +286,29 @@ def test_fp8_codes_of_every_float_that_rounds_into_range():
     assert torch.equal(wire, ref)
 
 
+@pytest.mark.parametrize("fmt", [pytest.param("int8", marks=pytest.mark.slow), "fp8"])
+def test_quantized_subnormal_scales_match_reference(fmt):
+    """Blocks at every 16th exponent and with subnormal amaxes whose scale keeps few bits (k *
+    2^-149 for every 10th k in [200, 1200): fp8 quotients above 448, which saturate), drawn as
+    the C++ test of every exponent (tests/test_ops_quantized.py) draws them, a sample the
+    interpreter runs in seconds (a program per block): codes, scales and values bit for bit."""
+    from .test_ops_quantized import every_exponent_blocks
+    blocks = every_exponent_blocks(per_exponent=1, block=16, seed=7)
+    values = torch.cat([blocks[:255:16], blocks[255 + 200:255 + 1200:10]]).reshape(-1).to(DEVICE)
+    n = values.numel()
+    starts = torch.arange(0, n, 16, device=DEVICE)
+    wires = {}
+    for backend in ("triton", "torch"):
+        wire = torch.zeros(ops.slot_bytes(n, starts.numel()), dtype=torch.uint8, device=DEVICE)
+        ops.quantize_into(values, wire, starts, fmt, backend=backend)
+        wires[backend] = wire
+    assert torch.equal(wires["triton"], wires["torch"])
+    got, want = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    run_both(ops.dequantize_from, (wires["torch"], got, starts, fmt),
+             (wires["torch"], want, starts, fmt))
+    assert_identical_bits(got, want)
+
+
 def test_opcheck():
     """Schema, fake and autograd registration of the ops. cast_into_slot and grad_epilogue are
     triton_ops whose fake kernel is their body: in the interpreter that body would run the kernel

@@ -79,9 +79,16 @@ def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumu
 # Quantizing a block: x = fp32(value); amax = max |x|; scale = amax / QMAX (QMAX 127 for int8, 448
 # for fp8); a block holding a NaN or an infinity gets scale NaN (it dequantizes to NaN, never to a
 # finite value); code = 0 where the scale is 0 or NaN, else int8: clamp(rint(x / scale), -127,
-# 127) (rint: round half to even), fp8: cast(x / scale) (round to nearest even).
+# 127) (rint: round half to even), fp8: cast(x / scale) (round to nearest even, saturating at
+# +-448 as torch's cast does). |x / scale| exceeds QMAX only where the scale is subnormal (amax
+# below QMAX * 2^-126): amax / QMAX then keeps few significant bits, and the quotient reaches
+# 1.5 QMAX (amax = 671 * 2^-149 gives scale 2^-149): int8 clamps it, fp8 saturates, so both
+# dequantize to QMAX * scale there, a tiny value, never a NaN.
 # Dequantizing: fp32(code) * scale, rounded to the output dtype; a sum over slots adds the
 # dequantized fp32 values in slot order (each product rounded, then each sum: no fused multiply-add).
+# At the top of the range the product can round past FLT_MAX: an int8 block whose amax is (near)
+# FLT_MAX dequantizes its largest values to +-inf (RN(127 * RN(FLT_MAX / 127)) overflows), in
+# every backend alike; fp8's 448 * RN(FLT_MAX / 448) rounds back to FLT_MAX.
 QUANT_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
