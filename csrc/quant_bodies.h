@@ -26,14 +26,6 @@ FSDP_EXT_HOST_DEVICE int64_t block_end(const int64_t* starts, int64_t nblocks, i
   return b + 1 < nblocks ? starts[b + 1] : n;
 }
 
-FSDP_EXT_HOST_DEVICE float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
 FSDP_EXT_HOST_DEVICE float load_scale(const uint8_t* slot, int64_t n, int64_t b) {
   float scale;
   memcpy(&scale, slot + align16(n) + 4 * b, sizeof(scale));

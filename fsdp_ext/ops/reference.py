@@ -7,7 +7,10 @@ window starts, so a rank can pack straight into its own shard without materialis
 Arithmetic rules, shared by every backend so that results are bit-identical:
   * values are converted to fp32, scaled in fp32 (`x * scale`, skipped when scale == 1), and rounded
     to the destination dtype with round-to-nearest-even;
-  * the epilogue adds in fp32 (`out + x * scale`, two roundings, no fused multiply-add).
+  * the epilogue divides as torch's FSDP2 does: `x / divisor` in fp32 (divisor rounded to fp32;
+    skipped when it is 1), the quotient rounded to the reduced gradient's dtype, then added in fp32
+    (`out + q`, no fused operation). A multiply by 1 / divisor would round differently unless the
+    divisor is a power of two (at world 3, up to 1.5e-8 apart on unit-scale gradients).
 """
 from __future__ import annotations
 
@@ -58,11 +61,14 @@ def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> No
     gathered[slot * n:(slot + 1) * n].copy_(shard.reshape(-1).to(gathered.dtype))
 
 
-def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> None:
-    """out = cast((out if accumulate else 0) + reduced * scale), computed in fp32."""
+def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, divisor: float,
+                  accumulate: bool) -> None:
+    """out = cast((out if accumulate else 0) + q), computed in fp32, where q = reduced / divisor
+    rounded to reduced's dtype: torch divides a reduced gradient in the reduce dtype (gloo's AVG,
+    FSDP2's post-divide), then casts it to the gradient's dtype and accumulates."""
     value = reduced.reshape(-1).float()
-    if scale != 1.0:
-        value = value * scale
+    if divisor != 1.0:
+        value = (value / torch.tensor(divisor, dtype=torch.float32)).to(reduced.dtype).float()
     if accumulate:
         value = out.reshape(-1).float() + value
     out.view(-1).copy_(value.to(out.dtype))
