@@ -12,6 +12,7 @@
 // __fmul_rn/__fadd_rn, so no fused multiply-add ever changes a result.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -156,6 +157,16 @@ FSDP_EXT_HOST_DEVICE float add_rn(float a, float b) {
 #endif
 }
 
+// IEEE division, correctly rounded (nvcc's default `/` is too, unless -prec-div=false; the
+// intrinsic says so whatever the flags).
+FSDP_EXT_HOST_DEVICE float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 // Element types: `storage` is what memory holds; the kernels never use c10::Half arithmetic.
 struct Float32 {
   using storage = float;
@@ -189,13 +200,40 @@ FSDP_EXT_HOST_DEVICE typename Dst::storage convert_element(typename Src::storage
   return Dst::from_float(scaled ? mul_rn(x, scale) : x);
 }
 
-// The gradient epilogue: cast((out if accumulate else 0) + reduced * scale), computed in fp32.
+// How the gradient epilogue applies its divisor, chosen once per call on the host
+// (epilogue_divide): not at all for 1; as a multiply by the reciprocal for a power of two, whose
+// reciprocal is exact, so the product has the quotient's bits at a multiply's cost; else as a
+// division (a multiply by a rounded 1 / divisor would round differently).
+enum EpilogueMode : int { kNoDivide = 0, kMultiplyByReciprocal = 1, kDivide = 2 };
+
+struct EpilogueDivide {
+  float factor;  // the reciprocal (kMultiplyByReciprocal) or the divisor (kDivide)
+  int mode;      // an EpilogueMode
+};
+
+inline EpilogueDivide epilogue_divide(double divisor) {
+  const float d = static_cast<float>(divisor);
+  if (divisor == 1.0) return {1.0f, kNoDivide};
+  int exponent = 0;
+  const float mantissa = std::frexp(d, &exponent);  // +-0.5 exactly for a power of two
+  const float reciprocal = 1.0f / d;
+  const bool exact = (mantissa == 0.5f || mantissa == -0.5f) && std::isfinite(reciprocal) &&
+                     reciprocal != 0.0f && reciprocal * d == 1.0f;
+  return exact ? EpilogueDivide{reciprocal, kMultiplyByReciprocal} : EpilogueDivide{d, kDivide};
+}
+
+// The gradient epilogue: cast((out if accumulate else 0) + q), computed in fp32, where q is
+// reduced / divisor rounded to reduced's own dtype: torch's FSDP2 divides the reduced gradient in
+// the reduce dtype (gloo's AVG, or its post-divide), then casts it to the gradient's dtype and
+// accumulates. `factor` and `mode` are epilogue_divide(divisor)'s.
 template <class Src, class Dst>
 FSDP_EXT_HOST_DEVICE typename Dst::storage epilogue_element(typename Src::storage reduced,
-                                                            typename Dst::storage out, float scale,
-                                                            bool scaled, bool accumulate) {
+                                                            typename Dst::storage out,
+                                                            float factor, int mode,
+                                                            bool accumulate) {
   float x = Src::to_float(reduced);
-  x = scaled ? mul_rn(x, scale) : x;
+  const float q = mode == kMultiplyByReciprocal ? mul_rn(x, factor) : div_rn(x, factor);
+  x = mode != kNoDivide ? Src::to_float(Src::from_float(q)) : x;
   x = accumulate ? add_rn(Dst::to_float(out), x) : x;
   return Dst::from_float(x);
 }

@@ -132,16 +132,17 @@ FSDP_EXT_HOST_DEVICE void cast_block(const typename Src::storage* src, typename 
                           false, thread, threads);
 }
 
-// Block `block` of grad_epilogue: out = cast((out if accumulate else 0) + reduced * scale).
+// Block `block` of grad_epilogue: out = cast((out if accumulate else 0) + reduced / divisor)
+// (epilogue_element says how the quotient rounds; factor, mode: epilogue_divide(divisor)).
 template <class Src, class Dst>
 FSDP_EXT_HOST_DEVICE void epilogue_block(const typename Src::storage* reduced,
-                                         typename Dst::storage* out, int64_t n, float scale,
-                                         bool scaled, bool accumulate, int64_t block, int thread,
+                                         typename Dst::storage* out, int64_t n, float factor,
+                                         int mode, bool accumulate, int64_t block, int thread,
                                          int threads) {
   const int64_t first = block * kElementsPerBlock;
   const int64_t end = min_i64(first + kElementsPerBlock, n);
   for (int64_t i = first + thread; i < end; i += threads) {
-    out[i] = epilogue_element<Src, Dst>(reduced[i], out[i], scale, scaled, accumulate);
+    out[i] = epilogue_element<Src, Dst>(reduced[i], out[i], factor, mode, accumulate);
   }
 }
 

@@ -23,8 +23,9 @@ TORCH_LIBRARY(fsdp_ext, m) {
   m.def("unpack(Tensor src, int src_offset, int[] offsets, Tensor(a!)[] outs) -> ()");
   // gathered[slot * n, (slot + 1) * n) = cast(shard), n = shard.numel(): the all-gather copy-in.
   m.def("cast_into_slot(Tensor shard, Tensor(a!) gathered, int slot) -> ()");
-  // out = cast((out if accumulate else 0) + reduced * scale), in fp32: the gradient epilogue.
-  m.def("grad_epilogue(Tensor reduced, Tensor(a!) out, float scale, bool accumulate) -> ()");
+  // out = cast((out if accumulate else 0) + q), in fp32, q = reduced / divisor rounded to
+  // reduced's dtype (as torch divides a reduced gradient): the gradient epilogue.
+  m.def("grad_epilogue(Tensor reduced, Tensor(a!) out, float divisor, bool accumulate) -> ()");
   // Block-quantized collectives (CommPolicy): a slot of n values is n codes (int8, or
   // float8_e4m3fn with fp8=True) and one fp32 scale per block, block b starting at starts[b]
   // (reference.py).

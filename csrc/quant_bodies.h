@@ -26,14 +26,6 @@ FSDP_EXT_HOST_DEVICE int64_t block_end(const int64_t* starts, int64_t nblocks, i
   return b + 1 < nblocks ? starts[b + 1] : n;
 }
 
-FSDP_EXT_HOST_DEVICE float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
 FSDP_EXT_HOST_DEVICE float load_scale(const uint8_t* slot, int64_t n, int64_t b) {
   float scale;
   memcpy(&scale, slot + align16(n) + 4 * b, sizeof(scale));
@@ -41,8 +33,10 @@ FSDP_EXT_HOST_DEVICE float load_scale(const uint8_t* slot, int64_t n, int64_t b)
 }
 
 // fp32 -> float8_e4m3fn bits, round to nearest even, on integers (branch-free: the host loops
-// vectorize; the same bits as c10::Float8_e4m3fn for |x| < 464, which is all the quantizer
-// produces; NaN -> 0x7F).
+// vectorize), as torch's cast gives them for every float: |x| >= 448 (infinities too) saturates
+// to +-448 (0x7E), NaN -> 0x7F. The quantizer meets |x| > 448 when a block's scale is subnormal:
+// amax / 448 then keeps few significant bits, and amax / scale reaches 672 (amax = 671 * 2^-149,
+// scale 2^-149).
 FSDP_EXT_HOST_DEVICE uint32_t e4m3_bits_from_float(float x) {
   const uint32_t bits = float_to_bits(x);
   const uint32_t sign = (bits >> 24) & 0x80u;
@@ -58,6 +52,7 @@ FSDP_EXT_HOST_DEVICE uint32_t e4m3_bits_from_float(float x) {
   const uint32_t half = 1u << (shift - 1u);
   const uint32_t up = (remainder > half) | ((remainder == half) & (quotient & 1u));
   uint32_t result = mag >= 0x3c800000u ? normal : quotient + up;
+  result = mag >= 0x43e00000u ? 0x7eu : result;  // 448 and beyond (`normal` would overflow)
   result = mag > 0x7f800000u ? 0x7fu : result;
   return result | sign;
 }

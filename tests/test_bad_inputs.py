@@ -269,3 +269,41 @@ def bad_inputs_worker(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_bad_inputs(world_size):
     run_distributed(bad_inputs_worker, world_size)
+
+
+# ---- the global optimizer step pre-hook and optimizers that are not fully_shard's -------------------
+class _ComparableSGD(torch.optim.SGD):
+    """An optimizer class with an `__eq__` of its own (Python then makes it unhashable)."""
+
+    def __eq__(self, other):
+        return isinstance(other, _ComparableSGD) and self.defaults == other.defaults
+
+
+class _AllEqualSGD(torch.optim.SGD):
+    """Every instance equal to every other, one hash for all."""
+
+    def __eq__(self, other):
+        return isinstance(other, _AllEqualSGD)
+
+    def __hash__(self):
+        return 0
+
+
+def test_step_check_keys_optimizers_by_identity():
+    """fully_shard registers one step pre-hook for every optimizer of the process: an unhashable
+    optimizer steps as without fsdp_ext, and optimizers that compare equal are checked apart."""
+    from fsdp_ext.diagnostics.optim_check import install_step_check
+    from fsdp_ext.runtime.registry import record_replaced
+    install_step_check()  # what fully_shard of any other model does
+    layer = nn.Linear(3, 2)
+    opt = _ComparableSGD(layer.parameters(), lr=0.1)
+    layer(torch.randn(4, 3)).sum().backward()
+    opt.step()  # was: TypeError: unhashable type: '_ComparableSGD'
+    opt.step()
+    clean = _AllEqualSGD(nn.Linear(3, 2).parameters(), lr=0.1)
+    clean.step()
+    stale = nn.Parameter(torch.zeros(2))
+    record_replaced(stale, ("Linear", "bias", "0.bias"))  # as fully_shard records what it replaced
+    with pytest.raises(ValueError, match=r"_AllEqualSGD\.step\(\): param_groups\[0\]\['params'\]"
+                                         r"\[0\] is parameter '0\.bias'"):
+        _AllEqualSGD([stale], lr=0.1).step()

@@ -8,7 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = {"block_1b", "small_1000", "large_256mb"}
 CASES = {"pack fp32->fp32", "pack fp32->bf16", "pack fp32->fp32 x0.125", "unpack fp32->fp32",
-         "cast_into_slot fp32->bf16", "grad_epilogue bf16->fp32 x0.5 +="}
+         "cast_into_slot fp32->bf16", "grad_epilogue bf16->fp32 /3 +="}
 
 
 def test_quick_benchmark_writes_expected_rows(tmp_path):

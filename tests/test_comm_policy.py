@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_ext
 from fsdp_ext import CommPolicy
@@ -140,6 +142,65 @@ def check_checkpoints_hold_the_masters(rank: int, world: int) -> None:
         assert torch.equal(full[name], p.full_tensor()), name
 
 
+class _PoisonedAllocations(TorchDispatchMode):
+    """Every uninitialised allocation (torch.empty and kin) comes back full of NaN, or of
+    garbage (huge finite values), as reused memory may: what a shard's padding holds if the
+    code that allocates it leaves it so."""
+
+    EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+
+    def __init__(self, poison: str):
+        super().__init__()
+        self.poison = poison
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.EMPTY and out.is_floating_point() and not out.is_meta:
+            local = out.to_local() if isinstance(out, DTensor) else out
+            if self.poison == "nan":
+                local.fill_(float("nan"))
+            else:
+                garbage = torch.randn(local.shape, generator=torch.Generator().manual_seed(5))
+                local.copy_(garbage.mul_(1e30))
+        return out
+
+
+def _padding_of(bucket) -> torch.Tensor:
+    """The elements of a bucket's shard that hold no parameter (the padding)."""
+    mask = torch.ones(bucket.shard_numel, dtype=torch.bool)
+    for i in range(len(bucket.slots)):
+        mask[slice(*bucket.layout.local_range(i))] = False
+    return bucket.shard[mask]
+
+
+def check_meta_init_zeroes_padding(rank: int, world: int) -> None:
+    """Meta device -> fully_shard with each wire format -> to_empty (its allocations poisoned
+    with NaN, then with garbage) -> torch's set_model_state_dict: every shard's padding is zero
+    (a quantized gather puts it in its parameter's last block, so it would enter the scale) and
+    training gives the losses, bit for bit, of the same model built with its values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def uneven() -> GPT:  # 97 rows (uneven chunks), LayerNorms of 36: 18 values and 6 padding
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, d_model=36))
+    values = uneven().state_dict()
+    for policy in (None, CommPolicy("int8"), CommPolicy("fp8")):
+        expected = _train(_shard(uneven(), "fully_shard", policy), rank, world, steps=3)
+        for poison in ("nan", "garbage"):
+            with torch.device("meta"):
+                model = _shard(uneven(), "fully_shard", policy)
+            with _PoisonedAllocations(poison):
+                model.to_empty(device="cpu")
+            set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True))
+            for unit in fsdp_ext.runtime.registry.units_of(model):
+                for bucket in unit.buckets:
+                    padding = _padding_of(bucket)
+                    assert (padding == 0).all(), (policy, poison, unit.name, padding)
+            losses = _train(model, rank, world, steps=3)
+            assert losses == expected, (policy, poison, losses, expected)
+
+
 def check_inheritance_and_describe(rank: int, world: int) -> None:
     model = _gpt()
     fsdp_ext.fully_shard(model.blocks[0], comm_policy=CommPolicy(grad_reduce="bf16"))
@@ -167,10 +228,27 @@ def check_bad_input(rank: int, world: int) -> None:
                              comm_policy=CommPolicy(grad_reduce="int8"))
     with pytest.raises(TypeError, match="comm_policy must be an fsdp_ext.CommPolicy"):
         fsdp_ext.fully_shard(_gpt().blocks[0], comm_policy={"param_gather": "int8"})
+    # The same check where a child inherits the root's policy (at the root's first forward,
+    # before any collective); a policy of its own (exact) opts the child out.
+    fp16_grads = fsdp_ext.MixedPrecisionPolicy(reduce_dtype=torch.float16)
+    int8, bf16 = CommPolicy(grad_reduce="int8"), CommPolicy(grad_reduce="bf16")
+    for policy, own in ((int8, None), (bf16, None), (bf16, CommPolicy())):
+        model = _gpt()
+        fsdp_ext.fully_shard(model.blocks[1], mp_policy=fp16_grads, comm_policy=own)
+        fsdp_ext.fully_shard(model, comm_policy=policy)
+        if own is not None:
+            model(*_batch(0, rank)).backward()
+            assert model.blocks[1]._unit.buckets[0].comm_policy is None
+            continue
+        with pytest.raises(ValueError, match=(
+                rf"fully_shard\(Block\) 'blocks\.1', which inherits its root's comm_policy .*"
+                rf"CommPolicy\(grad_reduce='{policy.grad_reduce}'\).*reduce_dtype=torch.float16")):
+            model(*_batch(0, rank))
 
 
 CHECKS = [check_training_follows_exact, check_gathered_parameters, check_reduced_gradients,
-          check_checkpoints_hold_the_masters, check_inheritance_and_describe, check_bad_input]
+          check_checkpoints_hold_the_masters, check_meta_init_zeroes_padding,
+          check_inheritance_and_describe, check_bad_input]
 
 
 def _worker(rank: int, world: int) -> None:

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="fsdp_ext._C is n
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = list(itertools.product(DTYPES, DTYPES))
 SCALES = (1.0, 0.37)  # 0.37 is not a power of two: the scaled product itself needs rounding
+DIVISORS = (1.0, 3.0, 1.5, 0.25)  # 3: world 3's; 1.5: torch's fp16 split of 3; 0.25: a power of 2
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -103,13 +104,14 @@ def check_cast_into_slot(shape, src_dtype, dst_dtype, world, slot, device="cpu",
     assert_bitwise_equal(actual, expected)
 
 
-def check_grad_epilogue(shape, src_dtype, dst_dtype, scale, accumulate, device="cpu", backend="cpp"):
+def check_grad_epilogue(shape, src_dtype, dst_dtype, divisor, accumulate, device="cpu",
+                        backend="cpp"):
     n = int(torch.Size(shape).numel())
     reduced = stress_values(n, src_dtype, 1, device).reshape(shape)
     actual = stress_values(n, dst_dtype, 2, device).reshape(shape)
     expected = actual.clone()
-    ops.grad_epilogue(reduced, actual, scale, accumulate, backend=backend)
-    ops.grad_epilogue(reduced, expected, scale, accumulate, backend="torch")
+    ops.grad_epilogue(reduced, actual, divisor, accumulate, backend=backend)
+    ops.grad_epilogue(reduced, expected, divisor, accumulate, backend="torch")
     assert_bitwise_equal(actual, expected)
 
 
@@ -174,7 +176,7 @@ def _large_cases(big):
     check_cast_into_slot((big + 1,), torch.float32, torch.float32, 2, 1)
     check_unpack([(big,)], torch.bfloat16, [torch.float32], (3, big))
     check_cast_into_slot((big + 3,), torch.float32, torch.float16, 2, 1)
-    check_grad_epilogue(((4 << 20) + 1,), torch.bfloat16, torch.float32, 0.37, True)
+    check_grad_epilogue(((4 << 20) + 1,), torch.bfloat16, torch.float32, 3.0, True)
     check_pack([(1 << 20,), (1 << 16,)], [torch.float32], torch.bfloat16, 1.0, (1000, (1 << 20) + 5))
 
 
@@ -251,11 +253,29 @@ def test_cast_into_slot(src_dtype, dst_dtype):
 
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
-@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("divisor", DIVISORS)
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_grad_epilogue(src_dtype, dst_dtype, scale, accumulate):
+def test_grad_epilogue(src_dtype, dst_dtype, divisor, accumulate):
     for shape in [(4, 33), (1,), (0,), (1001,)]:
-        check_grad_epilogue(shape, src_dtype, dst_dtype, scale, accumulate)
+        check_grad_epilogue(shape, src_dtype, dst_dtype, divisor, accumulate)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_grad_epilogue_divides_as_torch(backend, reduce_dtype):
+    """The post-divide is torch's: `reduced / divisor` in the reduce dtype (what FSDP2 and gloo's
+    AVG do), then cast and added, not a multiply by 1 / divisor (which at divisor 3 is up to an
+    ulp off in a third of the values)."""
+    reduced = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e-3).to(
+        reduce_dtype)
+    old = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    for divisor in (3.0, 6.0, 1.5, 2.0):
+        out = torch.empty(4096)
+        ops.grad_epilogue(reduced, out, divisor, False, backend=backend)
+        assert torch.equal(out, (reduced / divisor).float()), divisor
+        out = old.clone()
+        ops.grad_epilogue(reduced, out, divisor, True, backend=backend)
+        assert torch.equal(out, old + (reduced / divisor).float()), divisor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

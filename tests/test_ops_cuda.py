@@ -7,8 +7,9 @@ import torch
 
 import fsdp_ext.ops as ops
 
-from .test_ops_cpp import (DTYPES, PAIRS, SCALES, SHAPES, WINDOWS, _name, check_cast_into_slot,
-                           check_grad_epilogue, check_pack, check_unpack, opcheck_samples)
+from .test_ops_cpp import (DIVISORS, DTYPES, PAIRS, SCALES, SHAPES, WINDOWS, _name,
+                           check_cast_into_slot, check_grad_epilogue, check_pack, check_unpack,
+                           opcheck_samples)
 
 pytestmark = pytest.mark.skipif(not (ops.HAVE_EXTENSION and torch.cuda.is_available()),
                                 reason="needs a GPU and fsdp_ext._C built with CUDA")
@@ -56,11 +57,11 @@ def test_cast_into_slot(src_dtype, dst_dtype):
 
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: _name(d))
-@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("divisor", DIVISORS)
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_grad_epilogue(src_dtype, dst_dtype, scale, accumulate):
+def test_grad_epilogue(src_dtype, dst_dtype, divisor, accumulate):
     for shape in [(4, 33), (1,), (0,), ((1 << 16) + 1,)]:
-        check_grad_epilogue(shape, src_dtype, dst_dtype, scale, accumulate, **CUDA)
+        check_grad_epilogue(shape, src_dtype, dst_dtype, divisor, accumulate, **CUDA)
 
 
 def test_runs_on_the_current_stream():

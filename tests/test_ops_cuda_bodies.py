@@ -17,7 +17,8 @@ import torch
 
 import fsdp_ext.ops as ops
 
-from .test_ops_cpp import BITS, PAIRS, SCALES, assert_bitwise_equal, random_layout, stress_values
+from .test_ops_cpp import (BITS, DIVISORS, PAIRS, SCALES, assert_bitwise_equal, random_layout,
+                           stress_values)
 
 pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="fsdp_ext._C is not built")
 if ops.HAVE_EXTENSION:
@@ -95,18 +96,18 @@ def test_cast_into_slot(src_dtype, dst_dtype, shift):
 
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS)
-@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("divisor", DIVISORS)
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_grad_epilogue(src_dtype, dst_dtype, scale, accumulate):
+def test_grad_epilogue(src_dtype, dst_dtype, divisor, accumulate):
     for i, n in enumerate(SIZES):
         reduced = misaligned(stress_values(n, src_dtype, seed=i), i % 4)
         got = misaligned(stress_values(n, dst_dtype, seed=100 + i), (i + 1) % 4)
         want, cpp = got.clone(), got.clone()
-        _C.cuda_bodies_grad_epilogue(reduced, got, scale, accumulate)
-        ops.grad_epilogue(reduced, want, scale, accumulate, backend="torch")
-        ops.grad_epilogue(reduced, cpp, scale, accumulate, backend="cpp")
+        _C.cuda_bodies_grad_epilogue(reduced, got, divisor, accumulate)
+        ops.grad_epilogue(reduced, want, divisor, accumulate, backend="torch")
+        ops.grad_epilogue(reduced, cpp, divisor, accumulate, backend="cpp")
         assert_bitwise_equal(got, want)
-        assert_identical(got, cpp, arithmetic=accumulate or scale != 1.0)
+        assert_identical(got, cpp, arithmetic=accumulate or divisor != 1.0)
 
 
 def test_bad_arguments_are_refused_as_on_the_gpu():

@@ -124,6 +124,99 @@ def test_non_finite_values_poison_their_block_only(backend, fmt):
     assert out[:32].isnan().all() and (out[32:] == 1.0).all()
 
 
+def _float_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bit patterns in [0, 2^32) -> float32 values."""
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(
+        torch.float32)
+
+
+def every_exponent_blocks(per_exponent: int, block: int, seed: int) -> torch.Tensor:
+    """[blocks, block] values: per biased exponent E (0, the subnormals, to 254) `per_exponent`
+    blocks whose first value has exponent E (the block's amax, nearly always) and the others
+    exponents down to E - 30, every mantissa and sign drawn at random; then one block per amax
+    k * 2^-149, k < 4096, where the scale amax / QMAX is subnormal with few significant bits (and
+    amax / scale exceeds QMAX: up to 1.5 QMAX)."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.arange(255).repeat_interleave(per_exponent)
+    exponent = (top[:, None] - torch.randint(0, 31, (top.numel(), block), generator=g)).clamp(0)
+    exponent[:, 0] = top
+    mantissa = torch.randint(0, 1 << 23, exponent.shape, generator=g)
+    sign = torch.randint(0, 2, exponent.shape, generator=g)
+    spread = _float_bits((sign << 31) | (exponent << 23) | mantissa)
+    k = torch.arange(4096)
+    below = (torch.rand(4096, block, generator=g) * k[:, None]).long()  # subnormal multiples
+    below[:, 0] = k
+    tiny = _float_bits(below) * torch.where(torch.rand(4096, block, generator=g) < 0.5, -1.0, 1.0)
+    return torch.cat([spread, tiny])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_exponent_and_subnormal_scales_match_the_reference(backend, fmt):
+    """Codes, scales and dequantized values bit for bit over the whole float32 range: random
+    mantissas at every exponent, and every subnormal amax below 4096 * 2^-149 (a block of amax
+    465 * 2^-149 dequantized to NaN, 1000 * 2^-149 to -0, where fp8's code overflowed)."""
+    device = _device(backend)
+    values = every_exponent_blocks(per_exponent=4, block=16, seed=7)
+    n = values.numel()
+    starts = torch.arange(0, n, 16)
+    wires = {}
+    for name, dev in ((backend, device), ("torch", "cpu")):
+        wire = torch.zeros(ops.slot_bytes(n, starts.numel()), dtype=torch.uint8, device=dev)
+        ops.quantize_into(values.reshape(-1).to(dev), wire, starts.to(dev), fmt, backend=name)
+        wires[name] = wire.cpu()
+    assert torch.equal(wires[backend], wires["torch"])
+    out, expected = torch.empty(n, device=device), torch.empty(n)
+    ops.dequantize_from(wires["torch"].to(device), out, starts.to(device), fmt, backend=backend)
+    ops.dequantize_from(wires["torch"], expected, starts, fmt, backend="torch")
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
+    assert not expected.isnan().any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_float32_bit_patterns_match_the_reference(fmt):
+    """Every one of the 2^32 float32 bit patterns quantized (blocks of 64 consecutive patterns,
+    in chunks) and dequantized by the C++ kernels, against the reference, bit for bit (NaN
+    blocks: NaN where the reference has NaN)."""
+    chunk, block = 1 << 24, 64
+    starts = torch.arange(0, chunk, block)
+    slot = ops.slot_bytes(chunk, starts.numel())
+    for first in range(0, 1 << 32, chunk):
+        values = _float_bits(torch.arange(first, first + chunk))
+        wire, ref = (torch.empty(slot, dtype=torch.uint8) for _ in range(2))
+        ops.quantize_into(values, wire, starts, fmt, backend="cpp")
+        ops.quantize_into(values, ref, starts, fmt, backend="torch")
+        assert torch.equal(wire[:chunk], ref[:chunk]), hex(first)
+        scales = wire[(chunk + 15) // 16 * 16:][:4 * starts.numel()].view(torch.int32)
+        ref_scales = ref[(chunk + 15) // 16 * 16:][:4 * starts.numel()].view(torch.float32)
+        nan = ref_scales.isnan()
+        assert torch.equal(scales[~nan], ref_scales.view(torch.int32)[~nan]), hex(first)
+        assert scales.view(torch.float32)[nan].isnan().all(), hex(first)
+        out, expected = torch.empty(chunk), torch.empty(chunk)
+        ops.dequantize_from(ref, out, starts, fmt, backend="cpp")
+        ops.dequantize_from(ref, expected, starts, fmt, backend="torch")
+        same = out.view(torch.int32) == expected.view(torch.int32)
+        assert (same | (out.isnan() & expected.isnan())).all(), hex(first)
+
+
+def test_float32_max_dequantizes_to_infinity_in_int8_only():
+    """The spec's top end (reference.py): a block whose amax is FLT_MAX dequantizes it to +-inf
+    in int8 (127 * RN(FLT_MAX / 127) rounds past FLT_MAX) and to +-FLT_MAX in fp8, in every
+    backend alike."""
+    big = torch.finfo(torch.float32).max
+    values = torch.tensor([big, -big, 1.0, 0.0])
+    starts = torch.zeros(1, dtype=torch.int64)
+    for fmt, top in (("int8", float("inf")), ("fp8", big)):
+        for backend in BACKENDS + ["torch"]:
+            device = _device(backend)
+            wire = torch.zeros(ops.slot_bytes(4, 1), dtype=torch.uint8, device=device)
+            ops.quantize_into(values.to(device), wire, starts.to(device), fmt, backend=backend)
+            out = torch.empty(4, device=device)
+            ops.dequantize_from(wire, out, starts.to(device), fmt, backend=backend)
+            assert out[:2].cpu().tolist() == [top, -top], (fmt, backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["torch"])
 def test_bad_arguments_are_named(backend):
     device = _device(backend) if backend != "torch" else "cpu"

@@ -76,12 +76,13 @@ void cast_into_slot_on_host(const at::Tensor& shard, const at::Tensor& gathered,
   });
 }
 
-void grad_epilogue_on_host(const at::Tensor& reduced, const at::Tensor& out, double scale,
+void grad_epilogue_on_host(const at::Tensor& reduced, const at::Tensor& out, double divisor,
                            bool accumulate) {
   check_grad_epilogue_args(reduced, out);
   check_cpu(out, "out");
   const int64_t n = out.numel();
   if (n == 0) return;
+  const EpilogueDivide divide = epilogue_divide(divisor);
   with_element_type(dtype_code(reduced.scalar_type()), [&](auto src_type) {
     with_element_type(dtype_code(out.scalar_type()), [&](auto dst_type) {
       using S = decltype(src_type);
@@ -89,8 +90,8 @@ void grad_epilogue_on_host(const at::Tensor& reduced, const at::Tensor& out, dou
       const auto* in = static_cast<const typename S::storage*>(reduced.data_ptr());
       auto* dst = static_cast<typename D::storage*>(out.data_ptr());
       run_grid(blocks_for(n), [&](int64_t block, int thread) {
-        epilogue_block<S, D>(in, dst, n, static_cast<float>(scale), scale != 1.0, accumulate,
-                             block, thread, kThreadsPerBlock);
+        epilogue_block<S, D>(in, dst, n, divide.factor, divide.mode, accumulate, block, thread,
+                             kThreadsPerBlock);
       });
     });
   });

@@ -207,11 +207,11 @@ FSDP_EXT_VECTOR_CLONES void convert_loop(const typename Src::storage* in,
   for (int64_t i = 0; i < n; ++i) out[i] = convert_element<Src, Dst>(in[i], scale, kScaled);
 }
 
-template <class Src, class Dst, bool kScaled, bool kAccumulate>
+template <class Src, class Dst, int kMode, bool kAccumulate>
 FSDP_EXT_VECTOR_CLONES void epilogue_loop(const typename Src::storage* in,
-                                          typename Dst::storage* acc, int64_t n, float scale) {
+                                          typename Dst::storage* acc, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) {
-    acc[i] = epilogue_element<Src, Dst>(in[i], acc[i], scale, kScaled, kAccumulate);
+    acc[i] = epilogue_element<Src, Dst>(in[i], acc[i], factor, kMode, kAccumulate);
   }
 }
 
@@ -390,27 +390,39 @@ void cast_into_slot_cpu(const at::Tensor& shard, const at::Tensor& gathered, int
   });
 }
 
+template <class Src, class Dst, int kMode>
+void epilogue_span_in_mode(const typename Src::storage* in, typename Dst::storage* acc, int64_t n,
+                           float factor, bool accumulate) {
+  if (accumulate) {
+    epilogue_loop<Src, Dst, kMode, true>(in, acc, n, factor);
+  } else {
+    epilogue_loop<Src, Dst, kMode, false>(in, acc, n, factor);
+  }
+}
+
 template <class Src, class Dst>
-void epilogue_span(const void* reduced, void* out, int64_t n, float scale, bool scaled,
+void epilogue_span(const void* reduced, void* out, int64_t n, EpilogueDivide divide,
                    bool accumulate) {
   const auto* in = static_cast<const typename Src::storage*>(reduced);
   auto* acc = static_cast<typename Dst::storage*>(out);
-  if (scaled && accumulate) epilogue_loop<Src, Dst, true, true>(in, acc, n, scale);
-  if (scaled && !accumulate) epilogue_loop<Src, Dst, true, false>(in, acc, n, scale);
-  if (!scaled && accumulate) epilogue_loop<Src, Dst, false, true>(in, acc, n, scale);
-  if (!scaled && !accumulate) epilogue_loop<Src, Dst, false, false>(in, acc, n, scale);
+  if (divide.mode == kDivide) {
+    epilogue_span_in_mode<Src, Dst, kDivide>(in, acc, n, divide.factor, accumulate);
+  } else if (divide.mode == kMultiplyByReciprocal) {
+    epilogue_span_in_mode<Src, Dst, kMultiplyByReciprocal>(in, acc, n, divide.factor, accumulate);
+  } else {
+    epilogue_span_in_mode<Src, Dst, kNoDivide>(in, acc, n, divide.factor, accumulate);
+  }
 }
 
 // reduced: any shape, n elements; out: any shape, n elements (updated in place).
-void grad_epilogue_cpu(const at::Tensor& reduced, const at::Tensor& out, double scale,
+void grad_epilogue_cpu(const at::Tensor& reduced, const at::Tensor& out, double divisor,
                        bool accumulate) {
   check_grad_epilogue_args(reduced, out);
   const int64_t src_code = dtype_code(reduced.scalar_type());
   const int64_t dst_code = dtype_code(out.scalar_type());
   const char* in = static_cast<const char*>(reduced.const_data_ptr());
   char* acc = static_cast<char*>(out.mutable_data_ptr());
-  const float scale_f = static_cast<float>(scale);
-  const bool scaled = scale != 1.0;
+  const EpilogueDivide divide = epilogue_divide(divisor);
   // Reads reduced and out, writes out.
   const int64_t grain = grain_for(bytes_moved(src_code, dst_code) + element_size(dst_code));
   at::parallel_for(0, out.numel(), grain, [&](int64_t begin, int64_t end) {
@@ -418,7 +430,7 @@ void grad_epilogue_cpu(const at::Tensor& reduced, const at::Tensor& out, double 
       with_element_type(dst_code, [&](auto dst_type) {
         epilogue_span<decltype(src_type), decltype(dst_type)>(
             in + begin * element_size(src_code), acc + begin * element_size(dst_code),
-            end - begin, scale_f, scaled, accumulate);
+            end - begin, divide, accumulate);
       });
     });
   });

@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 template <class Src, class Dst>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     epilogue_kernel(const typename Src::storage* reduced, typename Dst::storage* out, int64_t n,
-                    float scale, bool scaled, bool accumulate) {
-  epilogue_block<Src, Dst>(reduced, out, n, scale, scaled, accumulate, blockIdx.x, threadIdx.x,
+                    float factor, int mode, bool accumulate) {
+  epilogue_block<Src, Dst>(reduced, out, n, factor, mode, accumulate, blockIdx.x, threadIdx.x,
                            blockDim.x);
 }
 
@@ -113,7 +113,7 @@ void cast_into_slot_cuda(const at::Tensor& shard, const at::Tensor& gathered, in
 }
 
 // reduced: any shape, n elements; out: any shape, n elements (updated in place).
-void grad_epilogue_cuda(const at::Tensor& reduced, const at::Tensor& out, double scale,
+void grad_epilogue_cuda(const at::Tensor& reduced, const at::Tensor& out, double divisor,
                         bool accumulate) {
   check_grad_epilogue_args(reduced, out);
   const int64_t n = out.numel();
@@ -121,14 +121,15 @@ void grad_epilogue_cuda(const at::Tensor& reduced, const at::Tensor& out, double
   TORCH_CHECK(blocks_for(n) <= std::numeric_limits<int32_t>::max(), "fsdp_ext: out too large");
   const c10::cuda::CUDAGuard guard(out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const EpilogueDivide divide = epilogue_divide(divisor);
   with_element_type(dtype_code(reduced.scalar_type()), [&](auto src_type) {
     with_element_type(dtype_code(out.scalar_type()), [&](auto dst_type) {
       using S = decltype(src_type);
       using D = decltype(dst_type);
       epilogue_kernel<S, D><<<static_cast<unsigned>(blocks_for(n)), kThreadsPerBlock, 0, stream>>>(
           static_cast<const typename S::storage*>(reduced.data_ptr()),
-          static_cast<typename D::storage*>(out.data_ptr()), n, static_cast<float>(scale),
-          scale != 1.0, accumulate);
+          static_cast<typename D::storage*>(out.data_ptr()), n, divide.factor, divide.mode,
+          accumulate);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -13,7 +13,10 @@ caught without the user's help: `install_step_check()` (called by fully_shard) r
 optimizer step pre-hook with torch, which at an optimizer's first step (and after it gains a
 parameter group) looks its parameters up among those fully_shard replaced and raises, naming the
 parameter and the fix. torch's FSDP2 is silent there and the model never trains. The look-up is a
-dictionary probe per parameter, on the host, once per optimizer: no tensor is read.
+dictionary probe per parameter, on the host, once per optimizer: no tensor is read. The hook runs
+for every optimizer of the process, fully_shard's or not, so it keys what it remembers by the
+optimizer's identity: an optimizer class may define `__eq__` (and so be unhashable) or a `__hash__`
+of its own, neither of which the check may call.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..runtime.registry import replaced_where, units_of
 
-_checked_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> groups seen
+# id(optimizer) -> (a weak reference to it, its number of param groups when checked). The weak
+# reference's callback drops the entry when the optimizer goes, before its id can be reused.
+_checked_groups: dict[int, tuple[weakref.ref, int]] = {}
 _step_hook = None
 
 
@@ -38,7 +43,9 @@ def install_step_check() -> None:
 
 def _check_at_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Raise before an optimizer's first step if it holds a parameter fully_shard replaced."""
-    if _checked_groups.get(optimizer) == len(optimizer.param_groups):
+    key = id(optimizer)
+    seen = _checked_groups.get(key)
+    if seen is not None and seen[0]() is optimizer and seen[1] == len(optimizer.param_groups):
         return
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
@@ -50,7 +57,9 @@ def _check_at_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "with a DTensor parameter: this optimizer would update a tensor the model no "
                     "longer reads, so the model would never train (torch's FSDP2 runs on "
                     "silently). Build the optimizer after fully_shard, from model.parameters()")
-    _checked_groups[optimizer] = len(optimizer.param_groups)
+    ref = seen[0] if seen is not None and seen[0]() is optimizer else weakref.ref(
+        optimizer, lambda _, key=key: _checked_groups.pop(key, None))
+    _checked_groups[key] = (ref, len(optimizer.param_groups))
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

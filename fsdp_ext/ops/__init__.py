@@ -115,16 +115,16 @@ def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int,
     impl.cast_into_slot(shard, gathered, int(slot))
 
 
-def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
+def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, divisor: float = 1.0,
                   accumulate: bool = False, backend: str | None = None) -> None:
-    """out = cast((out if accumulate else 0) + reduced * scale) (see reference.grad_epilogue)."""
+    """out = cast((out if accumulate else 0) + reduced / divisor) (see reference.grad_epilogue)."""
     backend = _resolve(backend, out.device)
     if backend in ("cpp", "cuda"):
-        torch.ops.fsdp_ext.grad_epilogue.default(reduced, out, float(scale), bool(accumulate))
+        torch.ops.fsdp_ext.grad_epilogue.default(reduced, out, float(divisor), bool(accumulate))
         return
     checks.check_grad_epilogue(reduced, out)
     impl = _triton() if backend == "triton" else reference
-    impl.grad_epilogue(reduced, out, float(scale), bool(accumulate))
+    impl.grad_epilogue(reduced, out, float(divisor), bool(accumulate))
 
 
 # ---- block-quantized collectives (CommPolicy; layout and arithmetic: reference.py) ---------------

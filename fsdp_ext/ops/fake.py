@@ -63,7 +63,7 @@ def _cast_into_slot_fake(shard, gathered, slot) -> None:
 
 
 @torch.library.register_fake("fsdp_ext::grad_epilogue")
-def _grad_epilogue_fake(reduced, out, scale, accumulate) -> None:
+def _grad_epilogue_fake(reduced, out, divisor, accumulate) -> None:
     _check_tensor(reduced, "reduced", out.device)
     _check_tensor(out, "out", out.device)
     torch._check_value(reduced.numel() == out.numel(),

@@ -7,7 +7,10 @@ window starts, so a rank can pack straight into its own shard without materialis
 Arithmetic rules, shared by every backend so that results are bit-identical:
   * values are converted to fp32, scaled in fp32 (`x * scale`, skipped when scale == 1), and rounded
     to the destination dtype with round-to-nearest-even;
-  * the epilogue adds in fp32 (`out + x * scale`, two roundings, no fused multiply-add).
+  * the epilogue divides as torch's FSDP2 does: `x / divisor` in fp32 (divisor rounded to fp32;
+    skipped when it is 1), the quotient rounded to the reduced gradient's dtype, then added in fp32
+    (`out + q`, no fused operation). A multiply by 1 / divisor would round differently unless the
+    divisor is a power of two (at world 3, up to 1.5e-8 apart on unit-scale gradients).
 """
 from __future__ import annotations
 
@@ -58,11 +61,14 @@ def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> No
     gathered[slot * n:(slot + 1) * n].copy_(shard.reshape(-1).to(gathered.dtype))
 
 
-def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> None:
-    """out = cast((out if accumulate else 0) + reduced * scale), computed in fp32."""
+def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, divisor: float,
+                  accumulate: bool) -> None:
+    """out = cast((out if accumulate else 0) + q), computed in fp32, where q = reduced / divisor
+    rounded to reduced's dtype: torch divides a reduced gradient in the reduce dtype (gloo's AVG,
+    FSDP2's post-divide), then casts it to the gradient's dtype and accumulates."""
     value = reduced.reshape(-1).float()
-    if scale != 1.0:
-        value = value * scale
+    if divisor != 1.0:
+        value = (value / torch.tensor(divisor, dtype=torch.float32)).to(reduced.dtype).float()
     if accumulate:
         value = out.reshape(-1).float() + value
     out.view(-1).copy_(value.to(out.dtype))
@@ -79,9 +85,16 @@ def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumu
 # Quantizing a block: x = fp32(value); amax = max |x|; scale = amax / QMAX (QMAX 127 for int8, 448
 # for fp8); a block holding a NaN or an infinity gets scale NaN (it dequantizes to NaN, never to a
 # finite value); code = 0 where the scale is 0 or NaN, else int8: clamp(rint(x / scale), -127,
-# 127) (rint: round half to even), fp8: cast(x / scale) (round to nearest even).
+# 127) (rint: round half to even), fp8: cast(x / scale) (round to nearest even, saturating at
+# +-448 as torch's cast does). |x / scale| exceeds QMAX only where the scale is subnormal (amax
+# below QMAX * 2^-126): amax / QMAX then keeps few significant bits, and the quotient reaches
+# 1.5 QMAX (amax = 671 * 2^-149 gives scale 2^-149): int8 clamps it, fp8 saturates, so both
+# dequantize to QMAX * scale there, a tiny value, never a NaN.
 # Dequantizing: fp32(code) * scale, rounded to the output dtype; a sum over slots adds the
 # dequantized fp32 values in slot order (each product rounded, then each sum: no fused multiply-add).
+# At the top of the range the product can round past FLT_MAX: an int8 block whose amax is (near)
+# FLT_MAX dequantizes its largest values to +-inf (RN(127 * RN(FLT_MAX / 127)) overflows), in
+# every backend alike; fp8's 448 * RN(FLT_MAX / 448) rounds back to FLT_MAX.
 QUANT_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 

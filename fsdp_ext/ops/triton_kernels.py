@@ -6,8 +6,9 @@ BLOCK_SIZE elements.
 Bits, not floats. Kernels read and write fp32 data as 32-bit integers and bf16/fp16 as 16-bit
 integers, and round to bf16/fp16 (nearest even) with integer operations. That gives the same bits on
 a GPU and in the CPU interpreter (TRITON_INTERPRET=1), whose own fp32->bf16 cast truncates.
-Widening to fp32 is exact everywhere; `x * scale` is one fp32 multiply; the epilogue is launched
-with fp fusion off so that `out + x * scale` rounds twice, like the reference.
+Widening to fp32 is exact everywhere; `x * scale` is one fp32 multiply; the epilogue's `x /
+divisor` is an IEEE division (`div_rn`) whose quotient is rounded to the reduced dtype on bits, and
+the epilogue is launched with fp fusion off so that `out + q` rounds on its own, like the reference.
 
 Many tensors, one launch. Triton cannot take a list of pointers, so pack and unpack pass a small
 int64 *segment table* (the idea of the Triton grouped-GEMM tutorial and of ATen's `_chunk_cat`):
@@ -99,6 +100,17 @@ def _f32_from_raw(raw, KIND: tl.constexpr):
         return raw.to(tl.float32, bitcast=True)
     else:
         return _f32_from_bits16(raw.to(tl.uint16, bitcast=True), KIND == KIND_BF16)
+
+
+@triton.jit
+def _rounded_to(x, KIND: tl.constexpr):
+    """fp32 values rounded (nearest even, on bits) to KIND and widened back to fp32."""
+    if KIND == KIND_F32:
+        return x
+    elif KIND == KIND_BF16:
+        return _f32_from_bits16(_bf16_bits_from_f32(x), True)
+    else:
+        return _f32_from_bits16(_f16_bits_from_f32(x), False)
 
 
 @triton.jit
@@ -257,18 +269,18 @@ def _epilogue_kernel(
     reduced_ptr,  # [n] reduced gradient, as int32/int16 bits
     out_ptr,      # [n] gradient shard, as int32/int16 bits; read too when ACCUMULATE
     n,            # elements
-    scale,        # fp32 factor for the reduced values (used when APPLY_SCALE)
+    divisor,      # fp32 divisor of the reduced values (used when DIVIDE)
     IN_KIND: tl.constexpr,      # kind code of reduced
     OUT_KIND: tl.constexpr,     # kind code of out
-    APPLY_SCALE: tl.constexpr,  # scale != 1
+    DIVIDE: tl.constexpr,       # divisor != 1
     ACCUMULATE: tl.constexpr,   # add to out instead of overwriting it
     BLOCK: tl.constexpr,        # elements per program
 ):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     x = _load_f32(reduced_ptr + idx, mask, IN_KIND)
-    if APPLY_SCALE:
-        x = x * scale
+    if DIVIDE:  # the quotient rounded to the reduced dtype, as torch divides in it
+        x = _rounded_to(tl.math.div_rn(x, divisor), IN_KIND)
     if ACCUMULATE:
         x = _load_f32(out_ptr + idx, mask, OUT_KIND) + x  # launched without fp fusion: no fma
     _store_f32(out_ptr + idx, x, mask, OUT_KIND)
@@ -282,7 +294,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp32(value: float) -> float:
-    """Round to fp32 on the host, so the kernel multiplies by the same factor as the reference."""
+    """Round to fp32 on the host, so the kernel scales (or divides) by the reference's value."""
     return torch.tensor(value, dtype=torch.float32).item()
 
 
@@ -372,15 +384,15 @@ def _cast_into_slot_op(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -
 
 
 @triton_op("fsdp_ext::triton_grad_epilogue", mutates_args=("out",))
-def _grad_epilogue_op(reduced: torch.Tensor, out: torch.Tensor, scale: float,
+def _grad_epilogue_op(reduced: torch.Tensor, out: torch.Tensor, divisor: float,
                       accumulate: bool) -> None:
     n = out.numel()
     if n == 0:
         return
-    # enable_fp_fusion=False: `out + x * scale` must round twice, like the reference, not be an fma.
+    # enable_fp_fusion=False: `out + q` must round on its own, like the reference.
     wrap_triton(_epilogue_kernel)[_grid(n)](
-        _bits(reduced), _bits(out), n, _fp32(scale), IN_KIND=_KIND_OF[reduced.dtype],
-        OUT_KIND=_KIND_OF[out.dtype], APPLY_SCALE=scale != 1.0, ACCUMULATE=accumulate,
+        _bits(reduced), _bits(out), n, _fp32(divisor), IN_KIND=_KIND_OF[reduced.dtype],
+        OUT_KIND=_KIND_OF[out.dtype], DIVIDE=divisor != 1.0, ACCUMULATE=accumulate,
         BLOCK=BLOCK_SIZE, enable_fp_fusion=False)
 
 
@@ -404,6 +416,7 @@ def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> No
     torch.ops.fsdp_ext.triton_cast_into_slot(shard, gathered, int(slot))
 
 
-def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> None:
+def grad_epilogue(reduced: torch.Tensor, out: torch.Tensor, divisor: float,
+                  accumulate: bool) -> None:
     """See reference.grad_epilogue."""
-    torch.ops.fsdp_ext.triton_grad_epilogue(reduced, out, float(scale), bool(accumulate))
+    torch.ops.fsdp_ext.triton_grad_epilogue(reduced, out, float(divisor), bool(accumulate))

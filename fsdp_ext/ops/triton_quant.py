@@ -29,8 +29,9 @@ def _larger(a, b):
 
 @triton.jit
 def _e4m3_bits_from_f32(x):
-    """fp32 -> float8_e4m3fn bits (uint32 lanes), round to nearest even; NaN -> 0x7F. Only for
-    |x| below 464, which rounds to at most 448 (the quantizer's codes never exceed it)."""
+    """fp32 -> float8_e4m3fn bits (uint32 lanes), round to nearest even, as torch's cast: |x| >=
+    448 (infinities too) saturates to +-448 (0x7E), NaN -> 0x7F. The quantizer meets |x| > 448
+    when a block's scale is subnormal (amax / 448 keeps few bits: amax / scale reaches 672)."""
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -45,6 +46,7 @@ def _e4m3_bits_from_f32(x):
     round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
     subnormal = quotient + round_up.to(tl.uint32)
     result = tl.where(mag >= 0x3C800000, normal, subnormal)
+    result = tl.where(mag >= 0x43E00000, 0x7E, result)  # 448 and beyond (`normal` overflows)
     result = tl.where(mag > 0x7F800000, 0x7F, result)
     return result | sign
 

@@ -1,12 +1,12 @@
 """Adopting parameters that nn.Module._apply (`to_empty`, `to`) or `load_state_dict(assign=True)`
-gave a unit's modules: their values go into the shard (allocated now if it was on the meta
-device) and they view it again."""
+gave a unit's modules: their values go into the shard (allocated now, padding zeroed, if it was
+on the meta device: param_buckets.new_shard) and they view it again."""
 from __future__ import annotations
 
 import torch
 
 from . import dtensor_params
-from .param_buckets import OWNER_ATTR
+from .param_buckets import OWNER_ATTR, new_shard
 
 
 def adopt_params(unit) -> None:
@@ -27,7 +27,7 @@ def adopt_params(unit) -> None:
             bucket.shard_views = locals_
             continue
         if bucket.shard.is_meta:
-            bucket.shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
+            bucket.shard = new_shard(bucket, device, unit.offload)
             bucket.shard_views = bucket.local_views(bucket.shard)
         with torch.no_grad():
             for view, local in zip(bucket.shard_views, locals_):

@@ -11,7 +11,9 @@
     block_size    values per scale (a multiple of 8).
 
 Default off: exact results stay exact. A unit without a policy of its own takes its root's
-(fully_shard is applied bottom-up, so children are resolved when the root first runs forward).
+(fully_shard is applied bottom-up, so children are resolved when the root first runs forward);
+the policy a unit runs with is checked against that unit's mixed precision wherever it comes
+from (`policy_in_effect`), as fully_shard checks a policy given to it.
 """
 from __future__ import annotations
 
@@ -68,3 +70,23 @@ def check_policy(policy: CommPolicy | None, mp, where: str) -> CommPolicy | None
         raise ValueError(f"{where}: CommPolicy(grad_reduce='bf16') contradicts "
                          "reduce_dtype=torch.float16: choose one reduction dtype")
     return policy
+
+
+def policy_in_effect(own: CommPolicy | None, root: CommPolicy | None, mp,
+                     unit: str) -> CommPolicy | None:
+    """The active policy a unit runs with (its own, else its root's), or None for exact
+    collectives; checked against the unit's mixed precision `mp` (check_policy), since a root's
+    policy meets each child's reduce_dtype only here.
+
+    Args:
+        own: the unit's comm_policy (given to its fully_shard), or None.
+        root: its root's comm_policy, or None.
+        mp: the unit's MixedPrecisionPolicy.
+        unit: the unit as an error names it ("fully_shard(Block) 'blocks.0'").
+    """
+    inherited = own is None
+    policy = root if inherited else own
+    where = (f"{unit}, which inherits its root's comm_policy (give it comm_policy=CommPolicy() "
+             "to keep its collectives exact)") if inherited else unit
+    check_policy(policy, mp, where)
+    return policy if policy is not None and policy.active else None

@@ -6,7 +6,9 @@
                layout.py; no autograd concatenation, no separate cast
     collective: reduce-scatter of each group's block over the shard group (SUM), leaving this
                rank its shard region; then all-reduce over replicas (HSDP)
-    epilogue:  post-divide, cast to the sharded gradient's dtype and accumulate, per group
+    epilogue:  post-divide (a division in the reduce dtype, as torch's FSDP2 divides: a multiply by
+               the reciprocal rounds differently unless the divisor is a power of two), cast to
+               the sharded gradient's dtype and accumulate, per group
 
 Under `set_requires_gradient_sync(False)` (no_sync) the packed, pre-divided gradient is added to
 an unsharded accumulator in `reduce_dtype` instead, and goes out with the next synchronised step.
@@ -209,7 +211,7 @@ def _epilogue(unit_name: str, bucket: Bucket, pieces: list[torch.Tensor], diviso
     with profiler_range("grad_epilogue", unit_name):
         for g, piece in zip(bucket.layout.groups, pieces):
             ops.grad_epilogue(piece, bucket.grad_shard.narrow(0, g.shard_offset, g.shard_numel),
-                              1.0 / divisor, accumulate)
+                              divisor, accumulate)
     for i, (slot, view, was_used) in enumerate(zip(bucket.slots, bucket.grad_views, used)):
         # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
         if slot.param.grad is None and not was_used and not view.any():

@@ -28,7 +28,10 @@ def divide_factors(data_parallel_size: int, factor: float | None = None) -> tupl
     Dividing by about sqrt(N) on both sides keeps low-precision sums from overflowing (before) and
     from losing small values (after). Both factors are fused into the pack and epilogue kernels, so
     they cost no extra pass; gloo has no PREMUL_SUM, and AVG would not fuse the casts. A factor
-    that is not a whole number is applied after the sum.
+    that is not a whole number is applied after the sum. The pre-divide is a power of two, so the
+    pack's multiply by its reciprocal is exact; the post-divide is a division (the epilogue's), in
+    the reduce dtype, which gives torch's FSDP2 (gloo's AVG) bits for fp32 and bf16 reductions at
+    any world size.
     """
     divisor = data_parallel_size if factor is None else factor
     if float(divisor) != int(divisor) or divisor < 1:

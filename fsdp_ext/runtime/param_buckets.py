@@ -96,14 +96,27 @@ def init_sharded_state(buckets: list[Bucket], device: torch.device, offload) -> 
         meta = bucket.layout.kind == "rows" and any(s.param.is_meta for s in bucket.slots)
         if meta:
             shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device="meta")
-        elif offload is not None:
-            shard = host_empty(bucket.shard_numel, bucket.dtype, offload.pin_memory, device)
         else:
-            shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=device)
+            shard = new_shard(bucket, device, offload)
         sources = [dtensor_params.local_of(slot.param) for slot in bucket.slots]
         if bucket.distributed:
             _replace_with_dtensors(bucket, bucket.local_views(shard))
         bucket.init_shard(shard, sources)
+
+
+def new_shard(bucket: Bucket, device: torch.device, offload) -> torch.Tensor:
+    """Storage for a bucket's shard, every element zero (on the host under CPU offload).
+
+    Invariant: a shard's padding (what no parameter's piece covers: a short chunk's missing rows,
+    each piece's round-up to ALIGN) is zero from its allocation on, and nothing writes it later
+    (the optimizer and every load write the parameters' views). Exact gathers never read it, but
+    a CommPolicy's quantized gather puts it in its parameter's last block, where anything but
+    zero enters the block's scale (NaN poisons the parameter). So every allocation of a shard,
+    at fully_shard and when a meta shard gets storage (adopt.py, after `to_empty`), comes here.
+    """
+    if offload is not None:
+        return host_empty(bucket.shard_numel, bucket.dtype, offload.pin_memory, device).zero_()
+    return torch.zeros(bucket.shard_numel, dtype=bucket.dtype, device=device)
 
 
 def _replace_with_dtensors(bucket: Bucket, views: list[torch.Tensor]) -> None:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import comm, extension, gather, unit_checks
 from .adopt import adopt_params
+from .comm_policy import policy_in_effect
 from .grads import reduce_bucket
 from .mixed_precision import MixedPrecisionPolicy, cast_floating
 from .offload import CPUOffloadPolicy
@@ -336,10 +337,11 @@ class Unit:
         self.schedule, self.is_root = schedule, is_root
         self.member_names = member_names
         self.name = self.params.name = unit_name(member_names)
-        policy = self.comm_policy if self.comm_policy is not None else schedule.root.comm_policy
+        policy = policy_in_effect(self.comm_policy, schedule.root.comm_policy, self.mp,
+                                  f"fully_shard({self.type_name}) '{self.name or '<root>'}'")
         for bucket in self.buckets:  # (subclass buckets gather what their hooks give, exactly)
             if not bucket.extension:
-                bucket.comm_policy = policy if policy is not None and policy.active else None
+                bucket.comm_policy = policy
 
     def start_step(self) -> None:
         """At the root's pre-forward: users edit models between steps, so the parameters are
