@@ -241,5 +241,5 @@ def test_recorded_step_sync_tags_leave_compute_idler(tmp_path):
     assert sync["idle_s"] > off["idle_s"]
     # on the device: one host sync in the step, the flags' read at the end of backward
     syncs = [r.site for r in traces["on"].records if isinstance(r, HostSync)]
-    assert len(syncs) == 1 and syncs[0].endswith("(read_flags)"), syncs
+    assert len(syncs) == 1 and syncs[0].endswith("(wait_bounded)"), syncs  # read_flags' wait
     assert on["host_syncs"] == 1 < sync["host_syncs"]
