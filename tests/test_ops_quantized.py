@@ -283,3 +283,36 @@ def test_long_irregular_blocks_match_the_reference(backend, fmt):
     assert torch.equal(out.cpu().isnan(), expected.isnan())
     kept = ~expected.isnan()
     assert torch.equal(out.cpu().view(torch.int32)[kept], expected.view(torch.int32)[kept])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_code_and_scale_dequantizes_as_the_reference(backend, fmt):
+    """Slots no quantizer writes: every code byte (fp8's NaN codes 0x7F/0xFF, its subnormals, -0)
+    at every lane position, under scales of every kind (0, -0, subnormal, huge, infinite, NaN),
+    in blocks of every length from 0 to 100, into fp32 (the vectorized host path) and the others:
+    bit for bit, NaN where NaN."""
+    device = _device(backend)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n, nblocks = int(starts[-1]), lengths.numel()
+    starts = starts[:-1]
+    slot = torch.zeros(ops.slot_bytes(n, nblocks), dtype=torch.uint8)
+    slot[:n] = torch.arange(n) % 256
+    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
+                             -float("inf"), float("nan")])
+    scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
+                                                                        generator=g)
+    scales[::7] = specials.repeat(nblocks // 70 + 1)[:scales[::7].numel()]
+    start = (n + 15) // 16 * 16
+    slot[start:start + 4 * nblocks] = scales.view(torch.uint8)
+    for out_dtype in DTYPES:
+        out = torch.empty(n, dtype=out_dtype, device=device)
+        expected = torch.empty(n, dtype=out_dtype)
+        ops.dequantize_from(slot.to(device), out, starts.to(device), fmt, backend=backend)
+        ops.dequantize_from(slot, expected, starts, fmt, backend="torch")
+        nan = expected.isnan()
+        assert torch.equal(out.cpu().isnan(), nan)
+        width = torch.int32 if out_dtype == torch.float32 else torch.int16
+        assert torch.equal(out.cpu().view(width)[~nan], expected.view(width)[~nan])
