@@ -1,5 +1,6 @@
 // Block-quantized collectives (CommPolicy): the per-block bodies, written once for the host and
-// the device. csrc/cpu/quantize.cpp runs them over blocks with at::parallel_for; csrc/cuda/
+// the device. csrc/cpu/quantize.cpp runs them over blocks with at::parallel_for (fp32 quantize:
+// an AVX2 version of quantize_block that must stay bit for bit this one); csrc/cuda/
 // quantize.cu gives each quantization block one thread (quantize) or each value one thread
 // (dequantize). The slot layout and the arithmetic are fsdp_ext/ops/reference.py's:
 //   slot bytes [0, n): codes (int8, or float8_e4m3fn); [align16(n), + 4 * nblocks): fp32 scales.

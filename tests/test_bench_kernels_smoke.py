@@ -9,6 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = {"block_1b", "small_1000", "large_256mb"}
 CASES = {"pack fp32->fp32", "pack fp32->bf16", "pack fp32->fp32 x0.125", "unpack fp32->fp32",
          "cast_into_slot fp32->bf16", "grad_epilogue bf16->fp32 /3 +="}
+QUANT_CASES = {"quantize_into fp32->int8", "quantize_into fp32->fp8", "dequantize_from int8->fp32",
+               "dequantize_from fp8->fp32"}  # no foreach counterpart
 
 
 def test_quick_benchmark_writes_expected_rows(tmp_path):
@@ -26,7 +28,12 @@ def test_quick_benchmark_writes_expected_rows(tmp_path):
     report = json.loads(out.read_text())
     assert report["quick"] and report["backends"] == ["torch"]
     rows = report["rows"]
-    assert {(r["unit"], r["case"]) for r in rows} == {(u, c) for u in UNITS for c in CASES}
+    assert {(r["unit"], r["case"]) for r in rows} == {(u, c) for u in UNITS
+                                                      for c in CASES | QUANT_CASES}
+    for r in rows:
+        if r["case"] in QUANT_CASES:
+            assert r["median_ms"] > 0 and r["gbps"] > 0 and r["vs_copy"] > 0
+            assert r["kind"] in ("fsdp_ext", "limit") and r["speedup_vs_foreach"] is None
     for unit in UNITS:
         for case in CASES:
             impls = {r["impl"]: r for r in rows if r["unit"] == unit and r["case"] == case}

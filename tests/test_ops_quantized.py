@@ -246,3 +246,73 @@ def test_slot_layout_and_runtime_blocks():
     firsts = [layout.local_range(i, 0)[0] - group.shard_offset for i in range(3)]
     assert set(firsts) <= set(starts)
     assert all(b - a <= 64 for a, b in zip(starts, starts[1:] + [group.shard_numel]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_long_irregular_blocks_match_the_reference(backend, fmt):
+    """fp32 blocks of every length from 0 to 300 values (the vectorized host kernel takes 32
+    values a step and the reference's code for the rest), starting at every offset modulo 32,
+    over random mantissas at every exponent and subnormal scales, with NaN, infinities, -0 and
+    all-zero blocks planted: codes, scales and dequantized values bit for bit."""
+    device = _device(backend)
+    values = every_exponent_blocks(per_exponent=2, block=64, seed=11).reshape(-1)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.cat([torch.arange(301), torch.randint(0, 301, (600,), generator=g)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(starts[-1])
+    values = values[torch.randperm(values.numel(), generator=g)[:n]].clone()
+    starts = starts[:-1]
+    for at, planted in ((starts[500], float("nan")), (starts[520] + 31, float("inf")),
+                        (starts[540] + 7, -float("inf")), (starts[560] + 33, float("nan"))):
+        values[int(at)] = planted
+    block = slice(int(starts[580]), int(starts[582]))
+    values[block] = 0.0
+    values[int(starts[590]):int(starts[591])] = -0.0
+    wires = {}
+    for name, dev in ((backend, device), ("torch", "cpu")):
+        wire = torch.zeros(ops.slot_bytes(n, starts.numel()), dtype=torch.uint8, device=dev)
+        ops.quantize_into(values.to(dev), wire, starts.to(dev), fmt, backend=name)
+        wires[name] = wire.cpu()
+    nan = wires["torch"][(n + 15) // 16 * 16:][:4 * starts.numel()].view(torch.float32).isnan()
+    assert nan.sum() == 4
+    assert torch.equal(wires[backend], wires["torch"])
+    out, expected = torch.empty(n, device=device), torch.empty(n)
+    ops.dequantize_from(wires["torch"].to(device), out, starts.to(device), fmt, backend=backend)
+    ops.dequantize_from(wires["torch"], expected, starts, fmt, backend="torch")
+    assert torch.equal(out.cpu().isnan(), expected.isnan())
+    kept = ~expected.isnan()
+    assert torch.equal(out.cpu().view(torch.int32)[kept], expected.view(torch.int32)[kept])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_code_and_scale_dequantizes_as_the_reference(backend, fmt):
+    """Slots no quantizer writes: every code byte (fp8's NaN codes 0x7F/0xFF, its subnormals, -0)
+    at every lane position, under scales of every kind (0, -0, subnormal, huge, infinite, NaN),
+    in blocks of every length from 0 to 100, into fp32 (the vectorized host path) and the others:
+    bit for bit, NaN where NaN."""
+    device = _device(backend)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n, nblocks = int(starts[-1]), lengths.numel()
+    starts = starts[:-1]
+    slot = torch.zeros(ops.slot_bytes(n, nblocks), dtype=torch.uint8)
+    slot[:n] = torch.arange(n) % 256
+    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
+                             -float("inf"), float("nan")])
+    scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
+                                                                        generator=g)
+    scales[::7] = specials.repeat(nblocks // 70 + 1)[:scales[::7].numel()]
+    start = (n + 15) // 16 * 16
+    slot[start:start + 4 * nblocks] = scales.view(torch.uint8)
+    for out_dtype in DTYPES:
+        out = torch.empty(n, dtype=out_dtype, device=device)
+        expected = torch.empty(n, dtype=out_dtype)
+        ops.dequantize_from(slot.to(device), out, starts.to(device), fmt, backend=backend)
+        ops.dequantize_from(slot, expected, starts, fmt, backend="torch")
+        nan = expected.isnan()
+        assert torch.equal(out.cpu().isnan(), nan)
+        width = torch.int32 if out_dtype == torch.float32 else torch.int16
+        assert torch.equal(out.cpu().view(width)[~nan], expected.view(width)[~nan])

@@ -403,3 +403,43 @@ def test_kernels_compile_for_gpu():
     result = subprocess.run([sys.executable, "-c", _GPU_COMPILE_SCRIPT], env=env, cwd=root,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "compiled 288" in result.stdout, result.stderr[-3000:]
+
+
+# The sum over slots reaches slot r at wire + r * stride. Triton passes a stride below 2**31 as
+# i32, and the slots of a large gather group span more: for world 3 and a stride of 2**30 bytes,
+# slot 2 starts at 2**31. The product must be formed in 64 bits. Read off the compiled IR (TTIR),
+# ahead of time like the compile test above: a run would need gigabytes of wire.
+_STRIDE_IR_SCRIPT = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fsdp_ext.ops import triton_quant as tq
+
+signature = {"wire_ptr": "*u8", "out_ptr": "*i32", "starts_ptr": "*i64", "nblocks": "i32",
+             "n": "i32", "scales_at": "i32", "world": "i32", "stride": "i32"}
+for fp8 in (False, True):
+    constexprs = {"OUT_KIND": 0, "FP8": fp8, "SUM": True, "BLOCK": tq.BLOCK}
+    kernel = triton.compile(
+        ASTSource(fn=tq._dequantize_kernel, constexprs=constexprs,
+                  signature={**signature, **{name: "constexpr" for name in constexprs}}),
+        target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    ttir = kernel.asm["ttir"]
+    offsets = re.findall(r"tt\.addptr %wire_ptr, %\S+ : !tt\.ptr<i8>, (i\d+)", ttir)
+    assert offsets and set(offsets) == {"i64"}, (fp8, offsets)
+print("slot offsets 64-bit")
+"""
+
+
+def test_dequantize_sum_slot_offsets_are_64_bit():
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", _STRIDE_IR_SCRIPT], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "slot offsets 64-bit" in result.stdout, \
+        result.stderr[-3000:]

@@ -34,7 +34,9 @@ from fsdp_ext import ops
 from ..common import RESULTS, cpu_model
 
 F32, BF16 = torch.float32, torch.bfloat16
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+               torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+QUANT_BLOCK = 256  # values per quantization block, CommPolicy's default
 
 
 # ---- units ---------------------------------------------------------------------------------------
@@ -67,7 +69,7 @@ QUICK_UNITS = {
 
 @dataclass(frozen=True)
 class Case:
-    op: str  # pack / unpack / cast_into_slot / grad_epilogue
+    op: str  # pack / unpack / cast_into_slot / grad_epilogue / quantize_into / dequantize_from
     src: torch.dtype
     dst: torch.dtype
     scale: float = 1.0    # pack
@@ -87,7 +89,10 @@ class Case:
 # worlds 2 and 4 cost the same).
 CASES = [Case("pack", F32, F32), Case("pack", F32, BF16), Case("pack", F32, F32, scale=0.125),
          Case("unpack", F32, F32), Case("cast_into_slot", F32, BF16),
-         Case("grad_epilogue", BF16, F32, divisor=3.0, accumulate=True)]
+         Case("grad_epilogue", BF16, F32, divisor=3.0, accumulate=True),
+         Case("quantize_into", F32, torch.int8), Case("quantize_into", F32, torch.float8_e4m3fn),
+         Case("dequantize_from", torch.int8, F32),
+         Case("dequantize_from", torch.float8_e4m3fn, F32)]
 
 
 def _randn(shape, dtype, device):
@@ -101,6 +106,14 @@ def candidates(case: Case, shapes, device, backends):
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     bytes_in, bytes_out = total * case.src.itemsize, total * case.dst.itemsize
     moved = bytes_in + bytes_out + (bytes_out if case.accumulate else 0)
+    quantized = case.op in ("quantize_into", "dequantize_from")
+    if quantized:  # the slot's bytes: codes and one fp32 scale per block
+        starts = torch.arange(0, total, QUANT_BLOCK, device=device)
+        fmt = "int8" if torch.int8 in (case.src, case.dst) else "fp8"
+        slot_bytes = ops.slot_bytes(total, starts.numel())
+        moved = (total * case.src.itemsize if case.src.itemsize > 1
+                 else slot_bytes) + (total * case.dst.itemsize if case.dst.itemsize > 1
+                                     else slot_bytes)
     out = []
 
     def add(name, kind, fn):
@@ -150,8 +163,21 @@ def candidates(case: Case, shapes, device, backends):
         add("torch._foreach_add_", "foreach",
             lambda: torch._foreach_add_([grad], [reduced], alpha=1.0 / case.divisor))
         add("Tensor.add_", "torch", lambda: grad.add_(reduced, alpha=1.0 / case.divisor))
+    elif case.op == "quantize_into":
+        values = _randn(total, case.src, device)
+        slot = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.quantize_into(values, slot, starts, fmt, backend=b))
+    elif case.op == "dequantize_from":
+        slot = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        ops.quantize_into(_randn(total, F32, device), slot, starts, fmt)
+        out_values = torch.empty(total, dtype=case.dst, device=device)
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.dequantize_from(slot, out_values, starts, fmt,
+                                                               backend=b))
     # The limit: one copy_ of the same element count and dtype pair (bytes of one read + one write).
-    limit_src = _randn(total, case.src, device)
+    # (For the quantized ops: a cast copy_ between fp32 and the code dtype, the same element count.)
+    limit_src = _randn(total, case.src if case.src.itemsize > 1 else F32, device).to(case.src)
     limit_dst = torch.empty(total, dtype=case.dst, device=device)
     out.append(("copy_ (limit)", "limit", lambda: limit_dst.copy_(limit_src), bytes_in + bytes_out))
     return out
@@ -219,10 +245,10 @@ def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup
                          min_ms=min(timer.samples) * 1e3,  # shows how much noise the median hides
                          calls_per_sample=timer.calls))
     copy_gbps = next(r["gbps"] for r in rows if r["kind"] == "limit")
-    foreach_ms = next(r["median_ms"] for r in rows if r["kind"] == "foreach")
+    foreach_ms = next((r["median_ms"] for r in rows if r["kind"] == "foreach"), None)
     for r in rows:
         r["vs_copy"] = r["gbps"] / copy_gbps
-        r["speedup_vs_foreach"] = foreach_ms / r["median_ms"]
+        r["speedup_vs_foreach"] = foreach_ms / r["median_ms"] if foreach_ms else None
     return rows
 
 
@@ -230,7 +256,8 @@ def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup
 
 def check_targets(rows) -> list[dict]:
     """Large units: pack/cast >= 0.9x copy_ bandwidth. 1000 small tensors: pack/unpack >= 2x faster
-    than torch._foreach_copy_. Checked for the compiled backends (cpp, triton)."""
+    than torch._foreach_copy_. Quantize / dequantize (fp32 <-> codes): >= 0.5x copy_ bandwidth of the
+    cast between them. Checked for the compiled backends (cpp, triton)."""
     targets = []
     for r in rows:
         if r["impl"] not in ("cpp", "triton"):
@@ -244,6 +271,9 @@ def check_targets(rows) -> list[dict]:
             value = r["speedup_vs_foreach"]
             targets.append(dict(where, target="speedup_vs_foreach >= 2", value=value,
                                 met=value >= 2))
+        if r["unit"] != "small_1000" and op in ("quantize_into", "dequantize_from"):
+            value = r["vs_copy"]
+            targets.append(dict(where, target="vs_copy >= 0.5", value=value, met=value >= 0.5))
     return targets
 
 
@@ -253,7 +283,7 @@ def markdown(rows, targets) -> str:
     for r in rows:
         lines.append(f"| {r['threads']} | {r['unit']} | {r['case']} | {r['impl']} | "
                      f"{r['median_ms']:.3f} | {r['gbps']:.2f} | {r['vs_copy']:.2f} | "
-                     f"{r['speedup_vs_foreach']:.2f}x |")
+                     + (f"{r['speedup_vs_foreach']:.2f}x |" if r["speedup_vs_foreach"] else "- |"))
     if targets:
         lines += ["", "| threads | unit | case | impl | target | value | met |",
                   "|---|---|---|---|---|---:|---|"]
@@ -326,6 +356,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--evict-mib", type=int, default=256,
                         help="with --cold: MiB written to evict the caches")
     parser.add_argument("--backends", nargs="+", help="fsdp_ext backends to time (default: all)")
+    parser.add_argument("--ops", nargs="+", help="only the cases of these ops (e.g. quantize_into)")
+    parser.add_argument("--units", nargs="+", help="only these units (e.g. large_256mb)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--out", default=os.path.join(RESULTS, "kernels.json"))
     parser.add_argument("--md", help="also write the markdown table here")
@@ -347,7 +379,11 @@ def main(argv=None) -> dict:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for unit, shapes in units.items():
+            if args.units and unit not in args.units:
+                continue
             for case in CASES:
+                if args.ops and case.op not in args.ops:
+                    continue
                 rows += run_unit_case(unit, shapes, case, device, backends, threads, args.repeats,
                                       args.warmup, evict)
                 print(f"# threads={threads} {unit} {case.name} done", file=sys.stderr, flush=True)

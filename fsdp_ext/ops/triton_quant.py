@@ -139,7 +139,10 @@ def _dequantize_kernel(
         if SUM:
             value = tl.full([BLOCK], 0.0, tl.float32)  # (tl.zeros is a @jit helper)
             for r in range(0, world):
-                base = wire_ptr + r * stride
+                # 64-bit offset: world slots span more than 2**31 bytes for a large gather group,
+                # and a 32-bit `r * stride` (stride fits in 32 bits, so triton passes it as i32)
+                # would wrap to a negative offset.
+                base = wire_ptr + tl.cast(r, tl.int64) * stride
                 scale = tl.load((base + scales_at).to(tl.pointer_type(tl.float32)) + b)
                 code = tl.load(base + idx, mask=mask, other=0)
                 value = value + _f32_from_code(code, FP8) * scale
