@@ -393,6 +393,13 @@ print("compiled", compiled)
 
 @pytest.mark.slow
 def test_kernels_compile_for_gpu():
+    result = _compile_ahead_of_time(_GPU_COMPILE_SCRIPT, timeout=600)
+    assert result.returncode == 0 and "compiled 288" in result.stdout, result.stderr[-3000:]
+
+
+def _compile_ahead_of_time(script: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run `script` (which compiles kernels for a GPU target) in a fresh interpreter without
+    TRITON_INTERPRET; skip where triton has no NVIDIA backend."""
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
@@ -400,9 +407,8 @@ def test_kernels_compile_for_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", _GPU_COMPILE_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "compiled 288" in result.stdout, result.stderr[-3000:]
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 # The sum over slots reaches slot r at wire + r * stride. Triton passes a stride below 2**31 as
@@ -432,14 +438,6 @@ print("slot offsets 64-bit")
 
 
 def test_dequantize_sum_slot_offsets_are_64_bit():
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", _STRIDE_IR_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=300)
+    result = _compile_ahead_of_time(_STRIDE_IR_SCRIPT, timeout=300)
     assert result.returncode == 0 and "slot offsets 64-bit" in result.stdout, \
         result.stderr[-3000:]

@@ -32,12 +32,17 @@ def _same(what, ours, theirs):
         torch.testing.assert_close(ours, theirs, **FP32, msg=lambda m: f"{what}: {m}")
 
 
+def _against_torch(what, script, rank, world, **kwargs):
+    """`script` run with torch's fully_shard and with fsdp_ext's: what it returns must agree."""
+    theirs = script(torch_fsdp, rank, world, **kwargs)
+    _same(what, script(fsdp_ext, rank, world, **kwargs), theirs)
+
+
 def check_chunked_loss(rank, world):
     """torchtitan's chunked loss: the default reshard policy and "always"."""
     for policy in ("default", "always"):
-        theirs = scripts.train_chunked(torch_fsdp, rank, world, reshard_policy=policy)
-        ours = scripts.train_chunked(fsdp_ext, rank, world, reshard_policy=policy)
-        _same(f"chunked loss ({policy})", ours, theirs)
+        _against_torch(f"chunked loss ({policy})", scripts.train_chunked, rank, world,
+                       reshard_policy=policy)
 
 
 def check_chunked_loss_gathers_once(rank, world):
@@ -61,17 +66,14 @@ def check_chunked_loss_gathers_once(rank, world):
 def check_separate_head_units(rank, world):
     """norm and lm_head as units of their own: lm_head a whole unit called per chunk outside the
     root's forward, each chunk's backward ending with its own end-of-backward."""
-    theirs = scripts.train_chunked(torch_fsdp, rank, world, lm_head_unit="separate")
-    ours = scripts.train_chunked(fsdp_ext, rank, world, lm_head_unit="separate")
-    _same("separate units", ours, theirs)
+    _against_torch("separate units", scripts.train_chunked, rank, world, lm_head_unit="separate")
 
 
 def check_members_in_different_forwards(rank, world):
     """The root's forward runs `norm`, the loss `lm_head`, one backward over both."""
     for policy in ("default", "always"):
-        theirs = scripts.train_head_outside(torch_fsdp, rank, world, reshard_policy=policy)
-        ours = scripts.train_head_outside(fsdp_ext, rank, world, reshard_policy=policy)
-        _same(f"members in different forwards ({policy})", ours, theirs)
+        _against_torch(f"members in different forwards ({policy})", scripts.train_head_outside,
+                       rank, world, reshard_policy=policy)
 
 
 def check_illegal_transition_still_raises(rank, world):
