@@ -41,7 +41,7 @@ $(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.
 	@if [ "$(BUILD_CUDA)" = 1 ]; then \
 	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp) and CUDA kernels (csrc/cuda/*.cu): about 3 minutes on 2 idle cores"; \
 	else \
-	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp): about 2.5 minutes on 2 idle cores; CUDA kernels skipped (no GPU; FSDP_EXT_CUDA=1 builds them)"; \
+	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp) and the extras: about 2 minutes on 2 idle cores; CUDA kernels skipped (no GPU; FSDP_EXT_CUDA=1 builds them)"; \
 	fi
 	@start=$$(date +%s); \
 	FSDP_EXT_NO_CUDA=$(if $(filter 1,$(BUILD_CUDA)),0,1) MAX_JOBS=$(NPROC) \
@@ -94,7 +94,7 @@ cuda-check: venv ## compile-checks csrc/cuda/*.cu with nvcc (no GPU needed)
 gpu-check: build ## on a CUDA machine: kernels, NCCL runtime, main job, GPU benchmarks (else says so)
 	$(VPY) tools/gpu_check.py
 
-# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), about 1.5 minutes once built.
+# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), about 1 minute once built.
 train: build ## the main job: a GPT trained with fsdp_ext on 2 CPU ranks, profiled, into out/train
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --profile --out-dir out/train
 
