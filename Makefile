@@ -66,9 +66,10 @@ test-slow: build ## the cases marked slow (SLOW_BUDGET_S=N skips those that woul
 	$(VPY) -m pytest $(PYTEST_REPORT) -m slow --runslow --ignore=tests/test_soak.py tests \
 		$(if $(SLOW_BUDGET_S),--budget-s $(SLOW_BUDGET_S))
 
-# Everything: the default suite, the slow cases, the stream-order scenarios, the soak at 300 steps.
-test-all: build ## every case: the default suite, the slow cases, the stream-order scenarios, the soak
-	$(VPY) -m pytest $(PYTEST_REPORT) --runslow tests
+# Everything: the default suite, the slow cases, the stream-order scenarios, the soak at 300 steps,
+# and the exhaustive sweeps (every float32 bit pattern through the quantized kernels: ~15 minutes).
+test-all: build ## every case: the default suite, the slow cases, the stream-order scenarios, the soak, the exhaustive sweeps
+	$(VPY) -m pytest $(PYTEST_REPORT) --runslow --exhaustive tests
 
 # The soak test on a short budget (world 4, CPU): SOAK_STEPS steps with random micro-batch counts,
 # periodic checkpoints, losses against a reference, no memory growth. test-all runs 300 steps.

@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run slow tests")
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="also run the exhaustive sweeps (every float32 bit pattern: minutes each)")
     parser.addoption("--stream-check", action="store_true", default=False,
                      help="also run the scenarios under the stream-order model")
     parser.addoption("--budget-s", type=float, default=None,
@@ -35,6 +37,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config._session_start = time.monotonic()
     config.addinivalue_line("markers", "slow: takes long; skipped unless --runslow is given")
+    config.addinivalue_line("markers", "exhaustive: a sweep of every input (minutes); skipped "
+                            "unless --exhaustive is given, also under --runslow")
     config.addinivalue_line("markers", "stream_check: the scenarios under the stream-order "
                             "model; skipped unless --stream-check or --runslow is given")
     interval = config.getoption("--heartbeat-s")
@@ -43,6 +47,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--exhaustive"):  # (kept out of CI's time-boxed slow tier too)
+        skip_sweep = pytest.mark.skip(reason="exhaustive: pass --exhaustive to run")
+        for item in items:
+            if "exhaustive" in item.keywords:
+                item.add_marker(skip_sweep)
     if config.getoption("--runslow"):
         return
     stream_check = config.getoption("--stream-check")
@@ -145,6 +154,7 @@ class Heartbeat:
 # Skip reasons -> (what they are, how to run them). The first pattern that matches a reason wins.
 SKIP_GROUPS = [
     (r"^slow:", "marked slow", "make test-slow (or pytest --runslow)"),
+    (r"^exhaustive:", "exhaustive sweeps (marked exhaustive)", "make test-all (or pytest --exhaustive)"),
     (r"^stream_check:", "stream-order scenarios (marked stream_check)",
      "make stream-check (or pytest --stream-check)"),
     (r"over the time budget", "started after the --budget-s time budget", "run without --budget-s"),

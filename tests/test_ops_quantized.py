@@ -174,6 +174,7 @@ def test_every_exponent_and_subnormal_scales_match_the_reference(backend, fmt):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_all_float32_bit_patterns_match_the_reference(fmt):
     """Every one of the 2^32 float32 bit patterns quantized (blocks of 64 consecutive patterns,
