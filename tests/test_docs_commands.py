@@ -35,9 +35,9 @@ BLOCKS = [(start, code) for lang, start, code in fenced_blocks(read("docs/integr
           if lang == "bash" and "torchrun" in code]
 # What each printed launch shows when it trained, and how many times: titan_flow.py prints the
 # mean loss on rank 0, hf_trainer.py each of the 2 ranks its own micro-batch losses, torchtitan's
-# trainer (tests/titan_cpu.py) which implementation sharded the model, on rank 0.
+# trainer (tests/titan_cpu.py) which implementation sharded the model, on each of the 2 ranks.
 EXPECTED = {"titan_flow.py": ("step 5: loss", 1), "hf_trainer.py": ("micro-batch losses", 2),
-            "tests.titan_cpu": ("FSDP implementation: fsdp_ext (", 1)}
+            "tests.titan_cpu": ("FSDP implementation: fsdp_ext (", 2)}
 
 
 def test_the_page_prints_launch_commands():

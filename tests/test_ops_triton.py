@@ -361,8 +361,8 @@ for n_type in ("i32", "i64"):
     for kind, other, scaled, acc in itertools.product(range(3), range(3), (False, True),
                                                       (False, True)):
         variants.append((tk._epilogue_kernel, {"reduced_ptr": bits[kind], "out_ptr": bits[other],
-                         "n": n_type, "scale": "fp32"}, {"IN_KIND": kind, "OUT_KIND": other,
-                         "APPLY_SCALE": scaled, "ACCUMULATE": acc, "BLOCK": BLOCK},
+                         "n": n_type, "divisor": "fp32"}, {"IN_KIND": kind, "OUT_KIND": other,
+                         "DIVIDE": scaled, "ACCUMULATE": acc, "BLOCK": BLOCK},
                          {"enable_fp_fusion": False}))
     for kind, fp8 in itertools.product(range(3), (False, True)):
         variants.append((tq._quantize_kernel, {"src_ptr": bits[kind], "slot_ptr": "*u8",
@@ -382,8 +382,8 @@ for capability in (80, 90):
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                 target=target, options=options)
         assert kernel.asm["cubin"], (fn.__name__, constexprs)
-        if fn is tk._epilogue_kernel and constexprs["APPLY_SCALE"] and constexprs["ACCUMULATE"]:
-            assert "fma" not in kernel.asm["ptx"], "the epilogue must round the product first"
+        if fn is tk._epilogue_kernel and constexprs["DIVIDE"] and constexprs["ACCUMULATE"]:
+            assert "fma" not in kernel.asm["ptx"], "the epilogue must round the quotient first"
         if fn is tq._dequantize_kernel and constexprs["SUM"]:
             assert "fma" not in kernel.asm["ptx"], "the sum must round each product first"
         compiled += 1
