@@ -44,7 +44,9 @@ def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.
                 grads.append(dtensor_params.local_of(slot.param.grad))
     terms = {}
     for key, (groups, grads) in by_groups.items():
-        term = torch.zeros((), dtype=torch.float32, device=unit.groups.device)
+        # where the gradients are: an offloaded unit without gradients is staged with the others
+        term = torch.zeros((), dtype=torch.float32,
+                           device="cpu" if unit.offload is not None else unit.groups.device)
         if grads:
             stacked = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
             term = (stacked.max() if math.isinf(norm_type) else (stacked ** norm_type).sum())
