@@ -93,17 +93,21 @@ def check_gathered_parameters(rank: int, world: int) -> None:
     model = _shard(_gpt(), "fully_shard", CommPolicy("int8", block_size=64))
     master = [p._local_tensor.clone() for p in model.parameters()]
     captured = _Captured(model)
-    moved, gather = [], comm.all_gather_into
+    moved, gather, issue = [], comm.all_gather_into, comm.issue_all_gather
 
     def counting(output, input, *args, **kwargs):
         moved.append(output.numel() * output.element_size())
         return gather(output, input, *args, **kwargs)
-    comm.all_gather_into = counting
+
+    def counting_issued(fulls, *args, **kwargs):  # (CPU: the issue thread's gathers)
+        moved.extend(f.numel() * f.element_size() for f in fulls)
+        return issue(fulls, *args, **kwargs)
+    comm.all_gather_into, comm.issue_all_gather = counting, counting_issued
     try:
         with torch.no_grad():
             model(_batch(0, rank)[0])
     finally:
-        comm.all_gather_into = gather
+        comm.all_gather_into, comm.issue_all_gather = gather, issue
     seen = captured.value
     exact = model.blocks[0].mlp[0].weight.full_tensor()  # torch's gather of the master shards
     everyone = [torch.empty_like(seen) for _ in range(world)]
@@ -208,8 +212,8 @@ def check_inheritance_and_describe(rank: int, world: int) -> None:
         fsdp_ext.fully_shard(block)
     fsdp_ext.fully_shard(model, comm_policy=CommPolicy("fp8"))
     model(*_batch(0, rank)).backward()
-    policies = {u.name or "root": b.comm_policy for u in model._unit.schedule.units
-                for b in u.buckets}
+    policies = {u.name or "root": getattr(b.wire, "policy", None)
+                for u in model._unit.schedule.units for b in u.buckets}
     assert policies["blocks.0"] == CommPolicy(grad_reduce="bf16")
     assert policies["blocks.1"] == policies["root"] == CommPolicy("fp8")
     text = fsdp_ext.describe(model, file=None)
@@ -238,7 +242,7 @@ def check_bad_input(rank: int, world: int) -> None:
         fsdp_ext.fully_shard(model, comm_policy=policy)
         if own is not None:
             model(*_batch(0, rank)).backward()
-            assert model.blocks[1]._unit.buckets[0].comm_policy is None
+            assert model.blocks[1]._unit.buckets[0].wire.kind == "exact"
             continue
         with pytest.raises(ValueError, match=(
                 rf"fully_shard\(Block\) 'blocks\.1', which inherits its root's comm_policy .*"

@@ -40,7 +40,7 @@ def runtime_bytes(model, optimizer) -> dict[str, int]:
     """Every buffer the runtime and the optimizer hold for `model` on this rank, by kind."""
     out = dict(shards=0, grad_shards=0, unsharded=0, no_sync_accumulators=0, pending=0, optim=0)
     for unit in units_of(model):
-        for bucket, full, grads in ((s.bucket, s.full_data, s.grads) for s in unit.params.states):
+        for bucket, full, grads in ((b, b.full_data, b.grads) for b in unit.buckets):
             out["shards"] += bucket.shard.untyped_storage().nbytes()
             if bucket.grad_shard is not None:
                 out["grad_shards"] += bucket.grad_shard.untyped_storage().nbytes()

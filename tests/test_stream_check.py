@@ -140,8 +140,8 @@ def test_counter_names_each_blocking_call_and_spares_pinned_non_blocking_copies(
 def _planted_sync(original):
     def wait_unshard(self):
         original(self)
-        if self.unsharded and self.params.fulls:
-            self.params.fulls[0].sum().item()  # planted: a host sync in a hook
+        if self.unsharded and self.buckets:
+            self.buckets[0].full_data.sum().item()  # planted: a host sync in a hook
     return wait_unshard
 
 
@@ -240,9 +240,9 @@ def _hold_nothing(original):
 
 
 def _drop_accumulator(original):
-    def reduce_bucket(unit, index, grads):
-        accumulator = unit.params.states[index].grads.unsharded_accumulator
-        original(unit, index, grads)
+    def reduce_bucket(unit, bucket, grads):
+        accumulator = bucket.grads.unsharded_accumulator
+        original(unit, bucket, grads)
         if accumulator is not None and unit.requires_gradient_sync:
             pending = unit.schedule.pending_reduce_scatters[-1].pending
             pending.keep_alive[:] = [t for t in pending.keep_alive if t is not accumulator]

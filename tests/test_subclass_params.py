@@ -23,15 +23,17 @@ STEPS = 4
 
 class _WireCounter:
     """Bytes every all-gather moves (its output), by patching the all-gather entry points:
-    torch's `all_gather_single` (what its fully_shard calls), and fsdp_ext's subclass buckets' `comm.all_gather_into`
-    (plain buckets go through the issue thread: not counted, and not compared)."""
+    torch's `all_gather_single` (what its fully_shard calls), and fsdp_ext's byte buffers (the
+    subclass buckets') at `comm.issue_all_gather` (CPU: the issue thread) and
+    `comm.all_gather_into` (plain buckets' float buffers: not counted, and not compared)."""
 
     def __init__(self):
         self.torch_bytes = self.ours_bytes = 0
 
     def __enter__(self):
         from fsdp_ext.runtime import comm
-        self._torch, self._ours = dist.all_gather_single, comm.all_gather_into
+        self._torch = dist.all_gather_single
+        self._ours, self._issued = comm.all_gather_into, comm.issue_all_gather
 
         def torch_gather(output, input, *args, **kwargs):
             self.torch_bytes += output.numel() * output.element_size()
@@ -41,12 +43,18 @@ class _WireCounter:
             if output.dtype == torch.uint8:
                 self.ours_bytes += output.numel()
             return self._ours(output, input, *args, **kwargs)
-        dist.all_gather_single, comm.all_gather_into = torch_gather, ours_gather
+
+        def ours_issued(fulls, *args, **kwargs):
+            self.ours_bytes += sum(f.numel() for f in fulls if f.dtype == torch.uint8)
+            return self._issued(fulls, *args, **kwargs)
+        dist.all_gather_single = torch_gather
+        comm.all_gather_into, comm.issue_all_gather = ours_gather, ours_issued
         return self
 
     def __exit__(self, *exc):
         from fsdp_ext.runtime import comm
-        dist.all_gather_single, comm.all_gather_into = self._torch, self._ours
+        dist.all_gather_single = self._torch
+        comm.all_gather_into, comm.issue_all_gather = self._ours, self._issued
 
 
 def _run(recipe: str, fully_shard, rank: int, world: int, **kwargs):
@@ -79,8 +87,8 @@ def check_recipes_match_torch(rank: int, world: int) -> None:
         # torch moves the subclasses' tensors and the plain parameters in one byte buffer per
         # unit; ours the subclasses' alone (each input 16-byte aligned in a rank's slot).
         subclass_bytes = their_wire.torch_bytes - _plain_bytes(theirs)
-        inputs = sum(len(sizes) for u in _units(ours) for b in u.buckets if b.extension
-                     for sizes in b.input_sizes)
+        inputs = sum(len(r.input_sizes) for u in _units(ours) for b in u.buckets
+                     for r in getattr(b.wire, "params", ()))
         slack = world * 16 * inputs
         assert subclass_bytes <= our_wire.ours_bytes <= subclass_bytes + slack, (
             recipe, our_wire.ours_bytes, subclass_bytes)

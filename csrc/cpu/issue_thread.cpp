@@ -128,8 +128,14 @@ class GatherJob {
     at::NoGradGuard no_grad;
     std::vector<WorkPtr> works;
     for (size_t i = 0; i < fulls_.size(); ++i) {
-      const at::Tensor& full = fulls_[i];
-      cast_into_slot.call(sources_[i], full, slot_);
+      const at::Tensor& full = fulls_[i];    // [W * n]
+      const at::Tensor& source = sources_[i];  // [n]
+      if (full.numel() == 0) continue;         // nothing to copy or gather (on every rank)
+      // A wire format that writes its own bytes (quantized, tensor subclass) filled its slot
+      // already: the source is that slot.
+      const bool in_slot = source.numel() > 0 &&
+                           source.data_ptr() == full.narrow(0, slot_ * source.numel(), 1).data_ptr();
+      if (!in_slot) cast_into_slot.call(source, full, slot_);
       if (!group_) continue;
       const GroupPtr& group = *group_;
       const int64_t world = group->getSize();

@@ -47,11 +47,11 @@ class _StateView:
 
     def _pre_forward(self, module, args, kwargs):
         args, kwargs = self.unit._pre_forward(module, args, kwargs)
-        self.unit.method_depth += 1
+        self.unit.enter_method()
         return args, kwargs
 
     def _post_forward(self, module, args, output):
-        self.unit.method_depth -= 1
+        self.unit.leave_method()
         result = self.unit._post_forward(module, args, {}, output)
         return output if result is None else result
 

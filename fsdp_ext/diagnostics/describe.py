@@ -40,10 +40,7 @@ def _dtype(d) -> str:
 
 
 def _kind(bucket) -> str:
-    if bucket.extension:
-        kinds = sorted({type(v).__name__ for v in bucket.shard_views})
-        return f"tensor subclass {'/'.join(kinds)}, gathered through its hooks as bytes"
-    return "DTensor Shard(0) rows" if bucket.layout.kind == "rows" else "flat"
+    return bucket.wire.describe(bucket)
 
 
 def _wire(unit: Unit) -> str:
@@ -75,7 +72,7 @@ def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], 
                     for member, path in zip(unit.members, paths)
                     for n, m in member.named_modules(remove_duplicate=False)}
     sharded = unsharded = 0
-    for i, (bucket, full) in enumerate(zip(unit.buckets, unit.params.fulls)):
+    for i, (bucket, full) in enumerate((b, b.full_data) for b in unit.buckets):
         layout = bucket.layout
         used = sum(slot.numel for slot in bucket.slots)
         shard_bytes = bucket.sharded_bytes()

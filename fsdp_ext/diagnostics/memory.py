@@ -52,7 +52,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     params = grads = unsharded = unit_max = 0
     for unit in units:
         unit_full = 0
-        for bucket, full in zip(unit.buckets, unit.params.fulls):
+        for bucket, full in ((b, b.full_data) for b in unit.buckets):
             params += bucket.sharded_bytes()
             if bucket.grad_shard is not None:
                 grads += bucket.grad_shard.untyped_storage().nbytes()

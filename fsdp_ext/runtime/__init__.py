@@ -1,7 +1,9 @@
 """The runtime: what happens to a unit in every training step (the FSDP timeline).
 
 Owns: units and their hooks (unit.py), which parameters a unit owns and its buckets
-(param_buckets.py, bucket.py), where every element lives (layout.py), the DTensor parameters of
+(param_buckets.py; bucket.py, the one owner of a bucket's tensors), what each bucket puts on the
+wire and how it comes back (wire.py: exact; wire_quantized.py: a CommPolicy's; wire_subclass.py:
+tensor subclasses' hooks), where every element lives (layout.py), the DTensor parameters of
 fully_shard (dtensor_params.py), the all-gather of a bucket (gather.py), the execution order and
 prefetch (schedule.py), collectives and process groups (comm.py), streams and buffer lifetime
 (streams.py), the gradient path (grads.py, finite.py), the host block cache (storage_cache.py),

@@ -116,12 +116,13 @@ def issue_thread_enabled() -> bool:
 
 def issue_all_gather(fulls: list[torch.Tensor], sources: list[torch.Tensor], slot: int,
                      group: dist.ProcessGroup | None, label: str,
-                     timeout: datetime.timedelta | None) -> "Pending":
-    """Queue on the issue thread: copy each source into slot `slot` of its (filled) flat buffer,
-    then gather the other slots over `group` (process_groups.issue_thread_group) by one broadcast
-    per rank."""
+                     timeout: datetime.timedelta | None, tags: list = ()) -> "Pending":
+    """Queue on the issue thread: copy each source into slot `slot` of its (filled) flat buffer
+    (unless it is that slot: bytes written in place), then gather the other slots over `group`
+    (process_groups.issue_thread_group) by one broadcast per rank. `tags`: the collectives'
+    tags, already exchanged, checked at the wait."""
     job = _C.issue_all_gather(fulls, sources, slot, group)  # holds the tensors until waited
-    return Pending(label=label, timeout=timeout, job=job)
+    return Pending(label=label, timeout=timeout, job=job, tags=list(tags))
 
 
 @dataclass
@@ -136,6 +137,10 @@ class Pending:
     timeout: datetime.timedelta | None = None         # see collective_timeout()
     job: object = None                                # queued on the issue thread (_C._IssuedGather)
     tags: list = field(default_factory=list)          # fingerprints.Tag: checked at the wait
+
+    def hold(self, *tensors: torch.Tensor | None) -> None:
+        """Keep `tensors` alive until the collectives are waited for."""
+        self.keep_alive.extend(t for t in tensors if t is not None)
 
     def wait(self) -> None:
         """Make the results usable by the current stream of `device` (CPU: by the host). The
@@ -256,6 +261,34 @@ class _Works:
         for work in self.works:
             wait_work(work, timeout)
         return True
+
+
+class _ThenWork:
+    """A collective's work handle whose wait also runs `finish()` on its result (once)."""
+
+    def __init__(self, work, finish, keep):
+        self.work, self._finish, self._keep = work, finish, keep
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self.work is not None:
+            work, self.work = self.work, None
+            wait_work(work, timeout)
+        if self._finish is not None:
+            finish, self._finish, self._keep = self._finish, None, None
+            finish()
+        return True
+
+
+def all_to_all_then(output: torch.Tensor, input: torch.Tensor, group, async_op: bool, finish):
+    """Rank r receives every rank's chunk r of `input` into `output` (equal chunks), then
+    `finish()` runs on the result: at the returned handle's wait (async_op), or before this
+    returns (None). `input` is held until then."""
+    work = _ThenWork(dist.all_to_all_single(output, input, group=group, async_op=True), finish,
+                     input)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):

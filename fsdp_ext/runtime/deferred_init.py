@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .bucket import set_module_param
+
 
 def _has_meta_state(module: nn.Module) -> bool:
     tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
@@ -40,7 +42,7 @@ def materialize_meta_modules(modules: list[nn.Module], device: torch.device,
         first_module, first_name = locations[0]
         shared = first_module._parameters[first_name]
         for module, name in locations[1:]:
-            module._parameters[name] = shared
+            set_module_param(module, name, shared)
     with torch.no_grad():
         for module in meta_modules:
             if param_init_fn is not None:

@@ -91,7 +91,7 @@ def _wrap(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
     checkpoint stager (dcp.async_save) tells a plain tensor from a wrapper, so it then copies the
     wrapper's (invalid) storage and fails. Built over a zero-offset view of the same storage (no
     copy), then given `local`, the wrapper looks as FSDP2's own do. A tensor subclass (its
-    own storage-less wrapper, extension.py) is wrapped as it is."""
+    own storage-less wrapper, wire_subclass.py) is wrapped as it is."""
     if dispatches_itself(local):
         return DTensor(local, sharding, requires_grad=False)
     at_zero = local.as_strided(local.shape, local.stride(), 0)

@@ -23,7 +23,7 @@ def merge_flags(flags: torch.Tensor | None, grads, device: torch.device) -> torc
     return new if flags is None else flags | new
 
 
-def raise_if_nonfinite(unit, index: int, flags: torch.Tensor) -> None:
+def raise_if_nonfinite(unit, bucket, flags: torch.Tensor) -> None:
     """Exchange the flags of every data-parallel rank; raise naming unit, parameters and ranks."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -37,7 +37,8 @@ def raise_if_nonfinite(unit, index: int, flags: torch.Tensor) -> None:
     if not bool(table.any()):
         return
     bad = []
-    for j, slot in enumerate(unit.buckets[index].slots):
+    index = unit.buckets.index(bucket)
+    for j, slot in enumerate(bucket.slots):
         ranks = table[:, j].nonzero().flatten().tolist()
         if ranks:
             name = unit.param_name(slot)

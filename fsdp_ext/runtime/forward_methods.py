@@ -3,22 +3,15 @@ and forward itself): the unit's pre-forward, the method, whose own calls of forw
 parameters gathered (the unit's `method_depth` says so), then the post-forward."""
 from __future__ import annotations
 
-from .unit_state import TrainingState
-
 
 def run_method(unit, method, args, kwargs):
     args, kwargs = unit._pre_forward(unit.module, args, kwargs)
-    unit.method_depth += 1
+    unit.enter_method()
     try:
         output = method(*args, **kwargs)
     except BaseException:
-        unit.method_depth -= 1
-        if unit.schedule is not None and unit.is_root:
-            unit.schedule.forward_failed()
-        if unit.training_state is TrainingState.FORWARD:  # (summoned: stays so)
-            unit.training_state = TrainingState.IDLE
-        unit.reshard()
+        unit.method_failed()
         raise
-    unit.method_depth -= 1
+    unit.leave_method()
     result = unit._post_forward(unit.module, args, kwargs, output)
     return output if result is None else result

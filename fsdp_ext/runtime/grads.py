@@ -20,23 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from . import comm, finite, quantized_comm, storage_cache
+from . import comm, finite, storage_cache
 from .bucket import Bucket
 from .mixed_precision import divide_factors
 from .offload import copy_to_host, to_host
 from .trace import RECORDER, profiler_range, span
-
-
-@dataclass
-class BucketGrads:
-    """Per-bucket gradient state that lives across micro-batches."""
-
-    unsharded_accumulator: torch.Tensor | None = None   # [W * S] reduce dtype, no_sync
-    used: list[bool] = field(default_factory=list)      # got a gradient since the last sync
-    nonfinite: torch.Tensor | None = None                # check_finite_grads: flags since sync
-    # HSDP under set_requires_all_reduce(False): the reduce-scattered (not yet all-reduced) sum
-    # per gather group, added to the next reduction that all-reduces (as torch's FSDP2 does)
-    partial_reduce: list[torch.Tensor] | None = None
 
 
 def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
@@ -64,38 +52,28 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
     return flat
 
 
-def reduce_bucket(unit, index: int, grads) -> None:
-    """Handle the gradients of bucket `index` from one backward use of `unit`."""
-    bucket, full, groups = unit.buckets[index], unit.params.states[index].full, unit.groups
-    state = unit.params.states[index].grads
-    used = [g is not None for g in grads]
-    state.used = [a or b for a, b in zip(state.used, used)] if state.used else used
-    policy = bucket.comm_policy
-    reduce_dtype = unit.mp.reduce_dtype or full.dtype
-    if policy is not None and policy.grad_reduce == "bf16":  # CommPolicy: bf16 on the wire
-        reduce_dtype = torch.bfloat16
-    quantized = (policy is not None and policy.grad_reduce == "int8"
-                 and groups.reduce_scatter is not None)
+def reduce_bucket(unit, bucket: Bucket, grads) -> None:
+    """Handle the gradients of `bucket` (one of `unit`'s) from one backward use of `unit`."""
+    groups = unit.groups
+    bucket.grads.note_used([g is not None for g in grads])
+    # What goes on the wire is the bucket's wire format's (a CommPolicy may reduce in bf16).
+    reduce_dtype = bucket.wire.reduce_dtype(unit.mp.reduce_dtype or bucket.full.dtype)
     pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
-    device = full.device
+    device = bucket.full.device
     if unit.check_finite_grads:  # off by default: no cost beyond this lookup
-        state.nonfinite = finite.merge_flags(state.nonfinite, grads, device)
+        bucket.grads.merge_nonfinite(finite.merge_flags(bucket.grads.nonfinite, grads, device))
 
     if not unit.requires_gradient_sync:
-        flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
-        if state.unsharded_accumulator is None:
-            state.unsharded_accumulator = flat
-        else:
-            state.unsharded_accumulator.add_(flat)
+        bucket.grads.accumulate_unsharded(pack_grads(bucket, grads, reduce_dtype, pre, device))
         return
 
-    accumulator, state.unsharded_accumulator = state.unsharded_accumulator, None
-    partial, state.partial_reduce = state.partial_reduce, None
+    accumulator, partial, used, nonfinite = bucket.grads.take_for_sync()
     side = unit.schedule.streams.side
     all_reduce = groups.replicate is not None and unit.requires_all_reduce
-    record = PendingReduce(unit, index, keep_partial=groups.replicate is not None
-                           and not unit.requires_all_reduce, divisor=post)
-    record.offload_on_stream = side and unit.offload is not None and not record.keep_partial
+    keep_partial = groups.replicate is not None and not unit.requires_all_reduce
+    record = PendingReduce(unit, bucket, keep_partial=keep_partial, divisor=post, used=used,
+                           nonfinite=nonfinite,
+                           offload_on_stream=side and unit.offload is not None and not keep_partial)
 
     def collectives(async_op: bool) -> list:
         with profiler_range("pack_grads", unit.name):
@@ -105,22 +83,18 @@ def reduce_bucket(unit, index: int, grads) -> None:
         # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
         # blocking reduce-scatter and an asynchronous all-reduce.
         blocking = not async_op or groups.replicate is not None
-        if quantized:
-            pieces, works = quantized_comm.reduce_scatter_quantized(
-                flat, bucket, groups.reduce_scatter, not blocking, policy)
-        else:
-            pieces, works = comm.reduce_scatter_groups(
-                flat, bucket.layout, groups.reduce_scatter, not blocking)
+        pieces, works = bucket.wire.reduce(flat, bucket, groups.reduce_scatter, not blocking)
         if partial is not None:  # on the collective's stream, after the reduce-scatter
             for piece, earlier in zip(pieces, partial):
                 piece.add_(earlier)
-        if record.keep_partial:  # its own copy: the packed buffer is recycled
-            record.partial = [p.clone() for p in pieces]
+        kept = None
+        if keep_partial:  # its own copy: the packed buffer is recycled
+            kept = [p.clone() for p in pieces]
         elif all_reduce:
             works = [comm.all_reduce_sum(p, groups.replicate, async_op) for p in pieces]
         if record.offload_on_stream:  # queued after the collective on this stream
             pieces = [copy_to_host(p) for p in pieces]
-        record.flat, record.pieces = flat, pieces
+        record.launched(flat, pieces, kept)
         return [w for w in works if w is not None]
 
     checker = unit.schedule.checker
@@ -134,8 +108,9 @@ def reduce_bucket(unit, index: int, grads) -> None:
         return issued
     unit.schedule.make_room_for_reduce_scatter()  # free finished buffers before packing anew
     RECORDER.add("reduce_scatter.issue", unit.name)
+    index = unit.buckets.index(bucket)
     with profiler_range("reduce_scatter", unit.name):
-        record.pending = unit.schedule.streams.launch(
+        pending = unit.schedule.streams.launch(
             "reduce_scatter", collectives, keep_alive=[],
             label=f"reduce_scatter of unit '{unit.name or '<root>'}' bucket {index}", tags=tags)
     RECORDER.add("reduce_scatter.issued", unit.name)  # launched: gradients packed, collective queued
@@ -144,9 +119,7 @@ def reduce_bucket(unit, index: int, grads) -> None:
     # waited for it (streams.py). Without, the pack already ran, and dropping the gradients now
     # frees a unit's gradients per pending reduce-scatter.
     kept = [*grads, accumulator, *(partial or ())] if side else []
-    record.pending.keep_alive.extend([record.flat, *(t for t in kept if t is not None)])
-    record.used, state.used = state.used, []
-    record.nonfinite, state.nonfinite = state.nonfinite, None
+    record.started(pending, [t for t in kept if t is not None])
     unit.schedule.add_pending_reduce_scatter(record)
 
 
@@ -158,7 +131,7 @@ class PendingReduce:
     (Schedule.pending_reduce_scatters); nothing else writes them after the launch."""
 
     unit: object                 # runtime.unit.Unit (not imported: unit imports this module)
-    index: int                   # the bucket's
+    bucket: Bucket
     keep_partial: bool = False   # HSDP, all-reduce deferred: the sum waits for a later reduction
     divisor: float = 1.0         # post-divide of the reduced sum (mixed_precision.divide_factors)
     offload_on_stream: bool = False  # pieces are host copies, read after the step's host wait
@@ -169,14 +142,24 @@ class PendingReduce:
     used: list[bool] = field(default_factory=list)  # per parameter: got a gradient since sync
     nonfinite: torch.Tensor | None = None     # check_finite_grads: the flags to exchange
 
+    def launched(self, flat: torch.Tensor, pieces: list[torch.Tensor],
+                 partial: list[torch.Tensor] | None) -> None:
+        """(From the launch, on the collective's stream.) What the collectives write."""
+        self.flat, self.pieces, self.partial = flat, pieces, partial
+
+    def started(self, pending: comm.Pending, keep_alive: list[torch.Tensor]) -> None:
+        """The collectives are in flight: `keep_alive` (and the packed buffer) held until done."""
+        self.pending = pending
+        pending.hold(self.flat, *keep_alive)
+
     def finish(self) -> None:
-        unit, bucket = self.unit, self.unit.buckets[self.index]
+        unit, bucket = self.unit, self.bucket
         with span("reduce_scatter.wait", unit.name):
             self.pending.wait()
         if self.nonfinite is not None:
-            finite.raise_if_nonfinite(unit, self.index, self.nonfinite)
+            finite.raise_if_nonfinite(unit, bucket, self.nonfinite)
         if self.keep_partial:  # nothing reaches .grad yet
-            unit.params.states[self.index].grads.partial_reduce = self.partial
+            bucket.grads.keep_partial(self.partial)
             self._release()
             return
         pieces, divisor = self.pieces, self.divisor

@@ -9,7 +9,6 @@ process group, the user's parameters are replaced by DTensor parameters over thi
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 from torch import nn
@@ -17,13 +16,11 @@ from torch import nn
 from .. import ops
 from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
-from .bucket import Bucket, ParamSlot
-from .extension import ExtensionBucket, check_hooks, is_extension_tensor
+from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .offload import host_empty
-from .registry import record_replaced, unit_of
-
-OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
+from .registry import unit_of
+from .wire import ExactWire
+from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
 
 # fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
 # elements are gathered directly, the rest together and copied out. Chosen by measurement:
@@ -62,8 +59,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         by_key.setdefault((slot.param.dtype, slot.param.requires_grad, extension),
                           []).append(slot)
     for slot in slots:
-        setattr(slot.param, OWNER_ATTR,
-                f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
+        mark_owner(slot.param, f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
     buckets = []
     world, rank = groups.shard_size, groups.shard_rank
     for (dtype, requires_grad, extension), bucket_slots in by_key.items():
@@ -77,62 +73,19 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
             specs = [dtensor_params.spec_with_tp(mesh, s.tp_spec) if s.tp_spec is not None
                      else dtensor_params.spec(mesh, s.shape, dtype) for s in bucket_slots]
             spec_of = specs.__getitem__
-        kind = ExtensionBucket if extension else Bucket
-        buckets.append(kind(dtype, requires_grad, bucket_slots, bucket_layout, spec_of))
+        # The wire format, chosen here once (a CommPolicy may replace an exact one: wire.py)
+        wire = SubclassWire() if extension else ExactWire()
+        buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, wire, spec_of))
     return buckets
 
 
-def init_sharded_state(buckets: list[Bucket], device: torch.device, offload) -> None:
-    """Allocate every bucket's shard and fill it with this rank's part of the parameters. Rows
-    layout: parameters on the meta device stay there (their shard too) until `to_empty`; the
-    others become DTensor parameters over the shard."""
+def init_sharded_state(buckets: list[Bucket], device: torch.device, offload,
+                       param_dtype: torch.dtype | None) -> None:
+    """Every bucket's shard, filled with this rank's part of the parameters (each wire format
+    says how: wire.py), and its gathered buffer, without storage until first gathered."""
     for bucket in buckets:
-        if bucket.extension:  # each parameter's chunk stays its own subclass: no flat shard
-            bucket.init_locals(bucket.layout.world_size, bucket.layout.rank)
-            _replace_with_dtensors(bucket, bucket.shard_views)
-            # (nn.Parameter detaches a subclass: the parameter's local tensor is an alias)
-            bucket.shard_views = [dtensor_params.local_of(s.param) for s in bucket.slots]
-            continue
-        meta = bucket.layout.kind == "rows" and any(s.param.is_meta for s in bucket.slots)
-        if meta:
-            shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device="meta")
-        else:
-            shard = new_shard(bucket, device, offload)
-        sources = [dtensor_params.local_of(slot.param) for slot in bucket.slots]
-        if bucket.distributed:
-            _replace_with_dtensors(bucket, bucket.local_views(shard))
-        bucket.init_shard(shard, sources)
-
-
-def new_shard(bucket: Bucket, device: torch.device, offload) -> torch.Tensor:
-    """Storage for a bucket's shard, every element zero (on the host under CPU offload).
-
-    Invariant: a shard's padding (what no parameter's piece covers: a short chunk's missing rows,
-    each piece's round-up to ALIGN) is zero from its allocation on, and nothing writes it later
-    (the optimizer and every load write the parameters' views). Exact gathers never read it, but
-    a CommPolicy's quantized gather puts it in its parameter's last block, where anything but
-    zero enters the block's scale (NaN poisons the parameter). So every allocation of a shard,
-    at fully_shard and when a meta shard gets storage (adopt.py, after `to_empty`), comes here.
-    """
-    if offload is not None:
-        return host_empty(bucket.shard_numel, bucket.dtype, offload.pin_memory, device).zero_()
-    return torch.zeros(bucket.shard_numel, dtype=bucket.dtype, device=device)
-
-
-def _replace_with_dtensors(bucket: Bucket, views: list[torch.Tensor]) -> None:
-    """The modules' parameters become DTensor parameters over `views`, this rank's part of each
-    (same names, attributes)."""
-    for index, (slot, view) in enumerate(zip(bucket.slots, views)):
-        param = dtensor_params.make_param(view, bucket.spec_of(index), slot.param.requires_grad)
-        setattr(param, OWNER_ATTR, getattr(slot.param, OWNER_ATTR))
-        for module, attr in slot.locations:
-            module._parameters[attr] = param
-        # Still referenced by a module outside the unit only if it is tied to one there: then the
-        # parent's fully_shard names both (see _owned_slots).
-        slot.replaced = weakref.ref(slot.param)
-        owner, attr = slot.locations[0]
-        record_replaced(slot.param, (type(owner).__name__, attr, slot.fqn))
-        slot.param = param
+        bucket.wire.init_shard(bucket, device, offload)
+        bucket.init_gathered(device, param_dtype)
 
 
 def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int]) -> list[ParamSlot]:
@@ -200,7 +153,7 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
 
 
 def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:
-    """What a tensor-subclass parameter needs (extension.py), refused at the call otherwise."""
+    """What a tensor-subclass parameter needs (wire_subclass.py), refused at the call otherwise."""
     where = f"parameter '{slot.fqn}' of {type(module).__name__}"
     local = dtensor_params.local_of(slot.param)
     kind = type(local).__name__

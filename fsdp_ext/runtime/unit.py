@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import comm, extension, gather, unit_checks
+from . import comm, gather, unit_checks
 from .adopt import adopt_params
 from .comm_policy import policy_in_effect
 from .grads import reduce_bucket
@@ -81,8 +81,9 @@ class Unit:
         self.mesh, self.buckets = build_unit_buckets(
             self.members, groups, layout, mesh, param_init_fn, ignored_params, direct_min_numel)
         self.params = UnitParams(self.name, self.buckets, groups.device, mp.param_dtype, offload)
-        extension.bind(self.buckets, self.mesh, mp, offload, groups.post_forward_size,
-                       self.type_name)
+        for bucket in self.buckets:  # (what a subclass bucket's hooks are called with)
+            bucket.wire.bind_unit(bucket, self.mesh, mp, offload, groups.post_forward_size,
+                                  self.type_name)
         # The hooks run eagerly under torch.compile (a graph break at each unit boundary, as
         # torch's FSDP2 skips its hooks): they issue collectives and resize storages, which
         # graphs with dynamic shapes cannot hold, and they decide per step what to gather.
@@ -156,8 +157,7 @@ class Unit:
         else:
             group, slot = self.groups.shard, self.groups.shard_rank
         schedule = self.schedule or Schedule.create_standalone(self)  # unshard() before forward
-        sizes = [(bucket.full_numel, full.dtype) for bucket, full in
-                 zip(self.buckets, self.params.fulls)]
+        sizes = [(bucket.full_numel, bucket.full.dtype) for bucket in self.buckets]
 
         def tags():
             return [schedule.checker.issue(group, "all_gather", self.name, sizes,
@@ -168,7 +168,7 @@ class Unit:
         RECORDER.add(f"{kind}.issue", self.name)
         with profiler_range(kind, self.name):
             in_flight = gather.start(
-                self.buckets, self.params.fulls, chunks, group, slot, self.groups.shard_size,
+                self.buckets, chunks, group, slot, self.groups.shard_size,
                 schedule.streams, offload=self.offload is not None and chunks is None,
                 label=f"{kind} of unit '{self.name or '<root>'}'", name=self.name, tags=tags,
                 after_event=schedule.take_post_optim_event() if self.is_root else None)
@@ -328,7 +328,8 @@ class Unit:
         self.params.install_sharded()
         grads = iter(grads)
         for i in self.params.grad_indices:
-            reduce_bucket(self, i, [next(grads) for _ in self.buckets[i].slots])
+            bucket = self.buckets[i]
+            reduce_bucket(self, bucket, [next(grads) for _ in bucket.slots])
         self.schedule.prefetch_backward(self, "post")
 
     # ---- what the schedule asks of its units ------------------------------------------------------
@@ -336,12 +337,12 @@ class Unit:
         """Become one of `schedule`'s units, named as the root's module tree names it."""
         self.schedule, self.is_root = schedule, is_root
         self.member_names = member_names
-        self.name = self.params.name = unit_name(member_names)
+        self.name = unit_name(member_names)
+        self.params.rename(self.name)
         policy = policy_in_effect(self.comm_policy, schedule.root.comm_policy, self.mp,
                                   f"fully_shard({self.type_name}) '{self.name or '<root>'}'")
-        for bucket in self.buckets:  # (subclass buckets gather what their hooks give, exactly)
-            if not bucket.extension:
-                bucket.comm_policy = policy
+        for bucket in self.buckets:  # (subclass buckets keep gathering what their hooks give)
+            bucket.use_comm_policy(policy)
 
     def start_step(self) -> None:
         """At the root's pre-forward: users edit models between steps, so the parameters are
@@ -359,18 +360,47 @@ class Unit:
         # A recomputation (activation checkpointing) may stop early, before its post-forward
         # could put the parameters back.
         self.params.install_sharded()
-        if self.training_state is not TrainingState.SUMMONED:
-            self.training_state = TrainingState.IDLE
+        self._back_to_idle("the end of backward")
         # Chunks kept for a backward that did not use them (the unit took no part in it) would be
         # gathered, stale, by the next forward: they belong to this step only.
         self.params.drop_chunks()
+
+    # ---- registered forward methods and summon_full_params --------------------------------------
+    def enter_method(self) -> None:
+        self.method_depth += 1
+
+    def leave_method(self) -> None:
+        self.method_depth -= 1
+
+    def method_failed(self) -> None:
+        """A registered method raised: its forward is over (a summoned unit stays summoned)."""
+        self.method_depth -= 1
+        if self.schedule is not None and self.is_root:
+            self.schedule.forward_failed()
+        if self.training_state is TrainingState.FORWARD:
+            move(self, "training_state", TrainingState.IDLE, (TrainingState.FORWARD,),
+                 "a registered method's failure")
+        self.reshard()
+
+    def enter_summon(self) -> None:
+        move(self, "training_state", TrainingState.SUMMONED, (TrainingState.IDLE,),
+             "summon_full_params")
+
+    def leave_summon(self) -> None:
+        if self.training_state is TrainingState.SUMMONED:
+            move(self, "training_state", TrainingState.IDLE, (TrainingState.SUMMONED,),
+                 "the end of summon_full_params")
 
     def abandon_step(self) -> None:
         """reset_iter_state: a forward or a registered method that raised is no longer running."""
         self.wait_unshard()
         self.method_depth = 0
+        self._back_to_idle("reset after a failure")
+
+    def _back_to_idle(self, what: str) -> None:
+        """Any state but SUMMONED (which its block ends) -> IDLE."""
         if self.training_state is not TrainingState.SUMMONED:
-            self.training_state = TrainingState.IDLE
+            move(self, "training_state", TrainingState.IDLE, tuple(TrainingState), what)
 
 
 def ensure_root(unit: Unit) -> None:

@@ -29,11 +29,7 @@ def check_params_unchanged(unit) -> None:
                         "load_state_dict, or make the change before fully_shard")
             local = dtensor_params.local_of(slot.param)
             replaced = local is not slot.param and dtensor_params.data_was_replaced(slot.param)
-            if bucket.extension:  # a subclass chunk: the local tensor is the shard itself
-                moved = local is not view
-            else:
-                moved = local.shape != view.shape or (local.data_ptr() != view.data_ptr()
-                                                      and not view.is_meta)
+            moved = bucket.wire.local_moved(local, view)
             if replaced or moved:
                 local = slot.param.data if replaced else local
                 raise RuntimeError(
@@ -47,7 +43,7 @@ def check_materialized(unit) -> None:
     """Raise if parameters are still on the meta device (built under torch.device("meta"),
     sharded, and never given storage)."""
     for bucket in unit.buckets:
-        if not bucket.extension and bucket.shard.is_meta:
+        if bucket.on_meta():
             raise RuntimeError(
                 f"unit '{unit.name or '<root>'}' ({unit.type_name}) still has its "
                 f"parameters (e.g. '{bucket.slots[0].fqn}') on the meta device: call "

@@ -1,8 +1,7 @@
-"""The one owner of a unit's tensors: per bucket its shard (bucket.py), gathered buffer and that
-buffer's autograd alias, gradient accumulators and post-forward chunks; per unit the all-gather in
-flight (with its pending copy-out), the sharded state and what the modules' parameter attributes
-hold. Its transitions `install_unsharded` / `install_sharded` (and `install_full` for
-summon_full_params) are the only code that writes `module._parameters` after construction.
+"""A unit's parameters as a whole: its buckets (bucket.py owns each one's tensors), the all-gather
+in flight (with its pending copy-out), the sharded state and what the modules' parameter
+attributes hold. Its transitions `install_unsharded` / `install_sharded` (and `install_full` for
+summon_full_params) decide what the modules hold, through the bucket module's one writer.
 
 The views the forward sees come from `_UnshardedViews`, an autograd function whose backward
 receives the per-parameter gradients (None for parameters the forward did not use) and hands them
@@ -14,27 +13,13 @@ the refill for an in-place edit of the tensors it saved.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-from . import dtensor_params, gather, storage_cache, streams
-from .bucket import Bucket
-from .grads import BucketGrads
+from . import dtensor_params, gather
+from .bucket import Bucket, set_module_param
 from .param_buckets import init_sharded_state
 from .unit_state import GATHERED, Installed, ShardedState, StateError, move
-
-
-@dataclass(eq=False)
-class BucketState:
-    """What one bucket owns besides its shard (bucket.py) across a step."""
-
-    bucket: Bucket
-    full: torch.Tensor                 # the gathered buffer autograd sees (views come from it)
-    full_data: torch.Tensor            # its alias: filled, refilled and freed through this one
-    grads: BucketGrads = field(default_factory=BucketGrads)
-    chunks: list[torch.Tensor] | None = None  # reshard_after_forward=k: this rank's kept chunks
 
 
 class _UnshardedViews(torch.autograd.Function):
@@ -61,49 +46,40 @@ class UnitParams:
                  param_dtype: torch.dtype | None, offload) -> None:
         self.name = name                 # the unit's, for messages (the root names units late)
         self.buckets = buckets
-        init_sharded_state(buckets, device, offload)
-        self.states = []
-        for bucket in buckets:
-            # A subclass bucket gathers into tensors of its own (extension.py): its `full` is an
-            # empty anchor that takes it into _UnshardedViews and names the gradients' dtype.
-            numel = 0 if bucket.extension else bucket.full_numel
-            full = torch.empty(numel, dtype=param_dtype or bucket.dtype, device=device)
-            streams.free_storage(full)  # allocated when first gathered
-            full.requires_grad_(bucket.requires_grad)
-            self.states.append(BucketState(bucket, full, full.data))
+        init_sharded_state(buckets, device, offload, param_dtype)
         self.grad_indices = [i for i, b in enumerate(buckets) if b.requires_grad]
         self.sharded_state = ShardedState.SHARDED
         self.installed = Installed.SHARDED
         self.in_flight: gather.InFlightGather | None = None
         self._no_grad_views: list[tuple[nn.Module, str, torch.Tensor]] | None = None
 
-    @property
-    def fulls(self) -> list[torch.Tensor]:
-        return [s.full_data for s in self.states]
+    def rename(self, name: str) -> None:
+        self.name = name
 
     def gathered(self) -> bool:
         """Unsharded, or an all-gather into the buffers in flight."""
         return self.sharded_state in GATHERED
 
     def holds_unsharded_memory(self) -> bool:
-        return any(s.full_data.untyped_storage().size() > 0
-                   or (s.bucket.extension and s.bucket.holds_memory()) for s in self.states)
+        return any(b.holds_unsharded_memory() for b in self.buckets)
 
     # ---- sharded state -----------------------------------------------------------------------
     def take_chunks(self) -> list[list[torch.Tensor]] | None:
         """The post-forward chunks to regather from (SHARDED_POST_FORWARD), or None."""
         if self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
             return None
-        chunks = [s.chunks for s in self.states]
-        self.drop_chunks()
+        chunks = [b.take_chunks() for b in self.buckets]
+        move(self, "sharded_state", ShardedState.SHARDED, (ShardedState.SHARDED_POST_FORWARD,),
+             "regather from the post-forward chunks")
         return chunks
 
     def drop_chunks(self) -> None:
         """Chunks kept for a backward that did not use them belong to their step only."""
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-            for s in self.states:
-                s.chunks = None
-            self.sharded_state = ShardedState.SHARDED
+            for bucket in self.buckets:
+                bucket.take_chunks()
+            move(self, "sharded_state", ShardedState.SHARDED,
+                 (ShardedState.SHARDED_POST_FORWARD,), "drop the post-forward chunks")
 
     def started_unshard(self, in_flight: gather.InFlightGather | None) -> None:
         """An all-gather was launched (None: nothing to gather, the unit is unsharded now)."""
@@ -125,12 +101,10 @@ class UnitParams:
         rank's 1/k chunk first (SHARDED_POST_FORWARD)."""
         if keep_chunks is not None:
             world, k, index = keep_chunks
-            for s in self.states:
-                s.chunks = gather.post_forward_chunks(s.bucket, s.full_data, world, k, index)
-        for s in self.states:
-            storage_cache.release(s.full_data)
-            if s.bucket.extension:
-                s.bucket.release()
+            for bucket in self.buckets:
+                bucket.keep_chunks(world, k, index, gather.post_forward_chunks)
+        for bucket in self.buckets:
+            bucket.free_gathered()
         move(self, "sharded_state", ShardedState.SHARDED_POST_FORWARD if keep_chunks else
              ShardedState.SHARDED, (ShardedState.UNSHARDED,), "reshard")
 
@@ -140,23 +114,24 @@ class UnitParams:
         grad enabled, trainable views come from _UnshardedViews (their backward is `unit`'s)."""
         if self.sharded_state is not ShardedState.UNSHARDED:
             raise StateError(f"unit '{self.name or '<root>'}': parameters installed "
-                                 f"while {self.sharded_state.name}")
-        self.installed = Installed.UNSHARDED
+                             f"while {self.sharded_state.name}")
+        move(self, "installed", Installed.UNSHARDED, (Installed.SHARDED, Installed.UNSHARDED),
+             "install the gathered parameters")
         if not torch.is_grad_enabled():
             for module, attr, view in self.no_grad_views():
-                module._parameters[attr] = view
+                set_module_param(module, attr, view)
             return
         views: dict[int, torch.Tensor] = {}
         if self.grad_indices:
             flat_views = iter(_UnshardedViews.apply(
-                unit, *(self.states[i].full for i in self.grad_indices)))
+                unit, *(self.buckets[i].full for i in self.grad_indices)))
             for i in self.grad_indices:
                 for slot in self.buckets[i].slots:
                     views[id(slot)] = next(flat_views)
-        for s in self.states:
-            if self.grad_indices and s.bucket.requires_grad:
+        for bucket in self.buckets:
+            if self.grad_indices and bucket.requires_grad:
                 continue
-            for slot, view in zip(s.bucket.slots, s.bucket.full_views(s.full)):
+            for slot, view in zip(bucket.slots, bucket.full_views(bucket.full)):
                 views[id(slot)] = view
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -164,15 +139,16 @@ class UnitParams:
 
     def no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """(module, attribute, view of the gathered buffer) for every parameter, made once under
-        no_grad and kept: the buffers are refilled in their own storages, so views stay valid.
-        Not kept with subclass parameters: a post-hook's `out=` may give the unsharded tensor new
-        attributes (torchao's float8 a new scale), which an earlier alias would not see."""
-        if self._no_grad_views is None or any(b.extension for b in self.buckets):
+        no_grad and kept where the wire format refills the buffers in their own storages (views
+        stay valid). Not kept with subclass parameters: a post-hook's `out=` may give the
+        unsharded tensor new attributes (torchao's float8 a new scale), which an earlier alias
+        would not see."""
+        if self._no_grad_views is None or not all(b.wire.caches_views for b in self.buckets):
             with torch.no_grad():
                 self._no_grad_views = [
                     (module, attr, _tp(view, slot))
-                    for s in self.states
-                    for slot, view in zip(s.bucket.slots, s.bucket.full_views(s.full))
+                    for bucket in self.buckets
+                    for slot, view in zip(bucket.slots, bucket.full_views(bucket.full))
                     for module, attr in slot.locations]
         return self._no_grad_views
 
@@ -182,21 +158,22 @@ class UnitParams:
             self._install_sharded()
 
     def _install_sharded(self) -> None:
-        self.installed = Installed.SHARDED
+        move(self, "installed", Installed.SHARDED, tuple(Installed), "install the shards")
         for bucket in self.buckets:
             for slot in bucket.slots:
                 _install(slot, slot.param)
 
     def install_full(self, slot, tensor: torch.Tensor) -> None:
         """summon_full_params: `tensor` (a full parameter) becomes `slot`'s attribute."""
-        self.installed = Installed.FULL
+        move(self, "installed", Installed.FULL, (Installed.SHARDED, Installed.FULL),
+             "summon_full_params")
         _install(slot, tensor)
 
     def drop_gradient_state(self) -> None:
         """After a failed backward: no_sync accumulation, HSDP partial sums and flags are the
         failed step's; dropped, not applied."""
-        for s in self.states:
-            s.grads = BucketGrads()
+        for bucket in self.buckets:
+            bucket.drop_gradient_state()
 
     def params_replaced(self) -> None:
         """adopt_params gave the slots new parameter objects: install them."""
@@ -211,4 +188,4 @@ def _tp(view: torch.Tensor, slot) -> torch.Tensor:
 
 def _install(slot, tensor: torch.Tensor) -> None:
     for module, attr in slot.locations:
-        module._parameters[attr] = tensor
+        set_module_param(module, attr, tensor)

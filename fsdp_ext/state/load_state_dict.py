@@ -16,7 +16,6 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from .. import ops
 from ..runtime import dtensor_params
-from ..runtime.extension import shard_rows
 from ..runtime.registry import unit_of
 from .sharded_tensor import local_param_range, local_part_of
 from .state_dict import StateDictSettings, slot_keys, state_dict_settings
@@ -41,39 +40,16 @@ def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metada
                 value = state_dict[present[0]]
                 if dtensor_params.is_dtensor(value):
                     continue  # DTensor to DTensor parameter: nn.Module's copy_ (resharding if needed)
-                if bucket.extension:  # a tensor subclass: its own copy_ takes this rank's rows
-                    try:
-                        _copy_rows_into_subclass(bucket, index, value, present[0])
-                    except ValueError as exc:
-                        error_msgs.append(str(exc))
-                    for key in present:
-                        state_dict[key] = slot.param.detach()
-                    continue
                 try:
-                    part = _local_part(bucket, index, value, present[0])
-                    if not _is_shard_view(part, bucket.shard_views[index]):  # else already in place
+                    # (None: the wire format wrote it itself, e.g. a subclass's own copy_)
+                    part = bucket.wire.load_value(bucket, index, value, present[0], _local_part)
+                    if part is not None and not _is_shard_view(part, bucket.shard_views[index]):
                         parts.append((index, part))
                 except ValueError as exc:
                     error_msgs.append(str(exc))
                 for key in present:
                     state_dict[key] = slot.param.detach()
             _write_parts(bucket, parts)
-
-
-def _copy_rows_into_subclass(bucket, index: int, value, key: str) -> None:
-    """This rank's rows of the full `value` into parameter `index`'s subclass chunk (with the
-    subclass's own copy_: torchao's int8 weights quantize what they are given)."""
-    slot, layout = bucket.slots[index], bucket.layout
-    if not isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor):
-        raise ValueError(f"{key}: a tensor-subclass parameter loads from a full tensor or a "
-                         f"DTensor, not from a {type(value).__name__}")
-    if value.shape != slot.shape:
-        raise ValueError(f"size mismatch for {key}: copying a param with shape "
-                         f"{list(value.shape)} from checkpoint, the shape in current model is "
-                         f"{list(slot.shape)}")
-    local = bucket.shard_views[index]
-    # chunked as at fully_shard (a subclass value, e.g. a full_tensor() of one, splits itself)
-    local.copy_(shard_rows(value.to(local.device), layout.world_size, layout.rank))
 
 
 def _is_shard_view(part: torch.Tensor, view: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import dtensor_params, gather
+from ..runtime import dtensor_params
 from ..runtime.registry import units_of
 from .names import unwrapped_name
 from .sharded_tensor import flat_sharded_tensor
@@ -165,10 +165,5 @@ def _gather_state(unit, bucket, indices, tensors) -> list[torch.Tensor]:
     for index, tensor in zip(indices, tensors):
         lo, hi = bucket.layout.local_range(index)
         local[lo:hi].copy_(dtensor_params.local_of(tensor).reshape(-1))
-    full = torch.empty(bucket.full_numel, dtype=dtype, device=device)
-    targets = gather.targets(bucket, full, unit.groups.shard_size)
-    gather.copy_in_and_gather(targets, gather.sources(bucket, local), unit.groups.shard_rank,
-                              unit.groups.shard, async_op=False)
-    gather.copy_out(bucket, full, targets)
-    views = bucket.full_views(full)
+    views = bucket.wire.gather_full(bucket, unit.groups, local)
     return [views[index] for index in indices]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import dtensor_params, gather
+from ..runtime import dtensor_params
 from ..runtime.registry import unit_of, units_of
 from .names import unwrapped_name
 from .sharded_tensor import flat_sharded_tensor
@@ -150,15 +150,7 @@ def gather_bucket(unit, bucket, shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather one bucket's `shard` (its parameters' shard, or its gradients') in its own
     dtype; the full-shape tensors (views of one buffer). Tensor-subclass parameters: each
     DTensor's `full_tensor()`, the subclass's own gather (as torch's state-dict helpers do)."""
-    if bucket.extension and shard is bucket.shard:
-        return [slot.param.full_tensor() for slot in bucket.slots]
-    device = unit.groups.device  # the collective's device (the shard may be offloaded to the CPU)
-    full = torch.empty(bucket.full_numel, dtype=shard.dtype, device=device)
-    targets = gather.targets(bucket, full, unit.groups.shard_size)
-    gather.copy_in_and_gather(targets, gather.sources(bucket, shard.to(device)),
-                              unit.groups.shard_rank, unit.groups.shard, async_op=False)
-    gather.copy_out(bucket, full, targets)
-    return bucket.full_views(full)
+    return bucket.wire.gather_full(bucket, unit.groups, None if shard is bucket.shard else shard)
 
 
 # ---- public functions -------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from torch import nn
 
 from ..runtime.registry import unit_of, units_of
 from ..runtime.unit import ensure_root
-from ..runtime.unit_state import TrainingState, move
 from .state_dict import gather_bucket
 
 
@@ -70,8 +69,7 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
                     _install(unit, bucket, tensors, grads)
                 gathered.append((unit, bucket, tensors, grads))
             if installs:
-                move(unit, "training_state", TrainingState.SUMMONED, (TrainingState.IDLE,),
-                     "summon_full_params")
+                unit.enter_summon()
     try:
         yield
     finally:
@@ -85,8 +83,7 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
                     for index in range(len(bucket.slots)):
                         if grads[index] is not None:
                             bucket.publish_grad(index)
-                if unit.training_state is TrainingState.SUMMONED:
-                    unit.training_state = TrainingState.IDLE
+                unit.leave_summon()
 
 
 def _gather_grads(unit, bucket) -> list[torch.Tensor | None] | None:
@@ -101,17 +98,17 @@ def _gather_grads(unit, bucket) -> list[torch.Tensor | None] | None:
 
 
 def _install(unit, bucket, tensors, grads) -> None:
-    for index, (slot, tensor) in enumerate(zip(bucket.slots, tensors)):
-        grad = grads[index] if grads is not None else None
-        if bucket.distributed:  # a DTensor parameter cannot take a full tensor's data
+    if bucket.distributed:  # a DTensor parameter cannot take a full tensor's data
+        for index, (slot, tensor) in enumerate(zip(bucket.slots, tensors)):
             param = nn.Parameter(tensor, requires_grad=slot.param.requires_grad)
-            param.grad = grad
+            param.grad = grads[index] if grads is not None else None
             unit.params.install_full(slot, param)
-        else:  # the user's parameter object, its .data the full tensor now
-            slot.param.data = tensor
-            if grads is not None:
-                slot.param.grad = grad
-            unit.params.install_full(slot, slot.param)
+        return
+    bucket.point_params_at(tensors)  # the user's parameter objects, their .data the full tensors
+    if grads is not None:
+        bucket.set_param_grads(grads)
+    for slot in bucket.slots:
+        unit.params.install_full(slot, slot.param)
 
 
 def _write_back(bucket, tensors, grads) -> None:
