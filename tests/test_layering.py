@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fsdp_ext")
@@ -393,7 +394,6 @@ ALLOWED_TO_REMOVE = {
     ("api/fsdp_module.py", "setattr(options, f'{name}_prefetch')"): "set_prefetch_depth",
     ("api/fsdp_module.py", "units[0].options.comm_ctx"): "share_comm_ctx",
     ("api/fsdp_module.py", "unit.options.comm_ctx"): "share_comm_ctx",
-    ("api/fsdp1.py", "module._unit.options.backward_prefetch_at"): "FSDP1's backward_prefetch",
     ("api/fully_shard.py", "groups.post_forward"): "reshard_after_forward=k edits built groups",
     ("api/fully_shard.py", "groups.post_forward_size"):
         "reshard_after_forward=k edits built groups",
@@ -545,3 +545,36 @@ def test_only_the_parameter_owner_writes_module_parameters():
     assert parameters_writes("m._parameters['w'] = p\nm.w = p\ndel m._parameters['b']\n"
                              "m._parameters.pop('c')\nm.register_parameter('d', p)\n") == [
         1, 3, 4, 5]  # the check sees each way of writing it
+
+
+# A bucket's kind (exact, quantized, tensor subclass) is its wire format's business (runtime/wire*.py):
+# the runtime, state and diagnostics code calls the format's methods, never asks which it is.
+# param_buckets.py chooses the format once, at construction (the one place that looks at what a
+# parameter is); comm_policy.py defines the policy's fields.
+KIND_TESTS = ("is_extension_tensor(", ".param_gather", ".grad_reduce", "Wire)", ".kind ==",
+              ".extension", "QuantizedWire", "SubclassWire")
+KIND_CHOOSERS = {"runtime/param_buckets.py", "runtime/comm_policy.py"}
+
+
+def kind_tests(root: str = PACKAGE_DIR) -> list[str]:
+    found = []
+    for rel, source in package_files(root).items():
+        if (rel.split("/")[0] not in ("runtime", "state", "diagnostics")
+                or os.path.basename(rel).startswith("wire") or rel in KIND_CHOOSERS):
+            continue
+        for line_no, line in enumerate(source.splitlines(), 1):
+            code = line.split("#")[0]
+            # (a layout's own kind, rows or flat, and a trace event's, are not a bucket's)
+            code = re.sub(r"\b(layout|self|e)\.kind\b", "", code)
+            found += [f"{rel}:{line_no}: {t}" for t in KIND_TESTS if t in code]
+    return found
+
+
+def test_no_caller_tests_a_bucket_kind(tmp_path):
+    found = kind_tests()
+    assert found == [], "a bucket's kind tested outside its wire format:\n" + "\n".join(found)
+    copy = tmp_path / "fsdp_ext"
+    shutil.copytree(PACKAGE_DIR, copy)
+    with open(copy / "runtime" / "gather.py", "a") as f:
+        f.write("\n\ndef planted(bucket):\n    return bucket.wire.kind == 'quantized'\n")
+    assert [f.split(": ", 1)[1] for f in kind_tests(str(copy))] == [".kind =="]

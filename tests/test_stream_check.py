@@ -31,7 +31,7 @@ from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
 from fsdp_ext.runtime import comm, fingerprints, streams
 from fsdp_ext.runtime import unit as unit_module
-from fsdp_ext.runtime.schedule import Schedule
+from fsdp_ext.runtime.host_reads import HostReads
 from fsdp_ext.runtime.unit_state import ShardedState
 
 from . import parity, stream_scenarios, test_runtime
@@ -259,10 +259,10 @@ def _drop_post_forward_chunks(original):
 
 
 def _no_host_sync(original):
-    def order_host_reads(self):
-        self.host_read_event = None  # planted: nothing waits for the copies of the host shards
+    def order(self):
+        self.event = None  # planted: nothing waits for the copies of the host shards
         original(self)
-    return order_host_reads
+    return order
 
 
 def _reshard_2(rank: int, world_size: int) -> None:
@@ -280,14 +280,14 @@ PLANTS = {
     "post_forward_chunks_dropped": (unit_module.Unit, "unshard", _drop_post_forward_chunks,
                                     _reshard_2, "(b)"),
     "offloaded_shards_written_during_their_copy": (
-        Schedule, "order_host_reads", _no_host_sync, stream_scenarios.offload_then_host_update,
+        HostReads, "order", _no_host_sync, stream_scenarios.offload_then_host_update,
         "(a)"),
 }
 
 
 # The collective tags' one host sync per step (fingerprints.read_flags) orders the host after
 # every all-gather the compute stream waited for: with them on, the host shards are safe to write
-# even without sync_host_reads' wait. Off, that wait alone orders them.
+# even without HostReads.sync's wait. Off, that wait alone orders them.
 PLANT_ENV = {"offloaded_shards_written_during_their_copy": {fingerprints.CHECK_ENV: "off"}}
 
 

@@ -118,9 +118,10 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
 
 def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
     """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
-    from fsdp_ext.runtime import comm, process_groups
+    from fsdp_ext.runtime import comm, env, process_groups
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = (process_groups.issue_thread_group(dist.group.WORLD) if comm.issue_thread_enabled()
+    group = (process_groups.issue_thread_group(dist.group.WORLD)
+             if comm.Streams(torch.device("cpu"), None, env.read().issue_thread).issue_thread
              else None)
     n = 1 << 18
     full, shard = torch.empty(n * world), torch.randn(n)

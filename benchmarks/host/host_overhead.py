@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext import exit_without_finalization
-from fsdp_ext.runtime import comm
+from fsdp_ext.runtime import env
 
 from ..common import (RESULTS, command, init_rank, launch, machine, machine_line, markdown_table,
                       write_results)
@@ -41,18 +41,18 @@ def _chain(name: str, d: int, units: int, x: torch.Tensor):
         return build_chain(d, 1, units)
     if name == "fsdp2":
         return shard_chain_fsdp2(d, 1, units, 0, 0.0)
-    chain = shard_chain(d, 1, units, 1, 0.0)
-    # The setting is read when the root makes its schedule, at the first forward.
-    previous = os.environ.get(comm.ISSUE_THREAD_ENV)
-    os.environ[comm.ISSUE_THREAD_ENV] = "0" if name == "fsdp_ext inline" else "1"
+    # The setting is read at each fully_shard (runtime/env.py).
+    previous = os.environ.get(env.ISSUE_THREAD)
+    os.environ[env.ISSUE_THREAD] = "0" if name == "fsdp_ext inline" else "1"
     try:
+        chain = shard_chain(d, 1, units, 1, 0.0)
         with torch.no_grad():
             chain(x)
     finally:
         if previous is None:
-            del os.environ[comm.ISSUE_THREAD_ENV]
+            del os.environ[env.ISSUE_THREAD]
         else:
-            os.environ[comm.ISSUE_THREAD_ENV] = previous
+            os.environ[env.ISSUE_THREAD] = previous
     return chain
 
 

@@ -102,10 +102,18 @@ def _wrap_fsdp_ext_policy(**policy):
 
 def _wrap_fsdp_ext_split(direct_min_numel: int):
     def wrap(model, device, options):
+        from fsdp_ext import MixedPrecisionPolicy
         from fsdp_ext.api.fully_shard import shard_module
+        from fsdp_ext.runtime.schedule_options import ScheduleOptions
+        from fsdp_ext.runtime.unit_config import UnitConfig
+
+        def config():  # (each unit its own options record)
+            return UnitConfig(groups=None, mp=MixedPrecisionPolicy(), layout="rows",
+                              direct_min_numel=direct_min_numel,
+                              schedule=ScheduleOptions(**options))
         for layer in model.layers:
-            shard_module(layer, layout="rows", direct_min_numel=direct_min_numel, **options)
-        return shard_module(model, layout="rows", direct_min_numel=direct_min_numel, **options)
+            shard_module(layer, config=config())
+        return shard_module(model, config=config())
     return wrap
 
 

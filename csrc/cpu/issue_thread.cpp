@@ -133,8 +133,11 @@ class GatherJob {
       if (full.numel() == 0) continue;         // nothing to copy or gather (on every rank)
       // A wire format that writes its own bytes (quantized, tensor subclass) filled its slot
       // already: the source is that slot.
-      const bool in_slot = source.numel() > 0 &&
-                           source.data_ptr() == full.narrow(0, slot_ * source.numel(), 1).data_ptr();
+      // (a bad slot or size is cast_into_slot's to report)
+      const int64_t n = source.numel();
+      const bool in_slot = n > 0 && (slot_ + 1) * n <= full.numel() &&
+                           source.scalar_type() == full.scalar_type() &&
+                           source.data_ptr() == full.narrow(0, slot_ * n, 1).data_ptr();
       if (!in_slot) cast_into_slot.call(source, full, slot_);
       if (!group_) continue;
       const GroupPtr& group = *group_;

@@ -17,6 +17,8 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision
                                     StateDictSettings, StateDictType)
 
 from ..runtime.registry import unit_of, units_of
+from ..runtime.schedule_options import ScheduleOptions
+from ..runtime.unit_config import UnitConfig
 from ..runtime.unit_state import TrainingState as UnitState
 from ..state import state_dict as _sd
 from ..state.summon import summon_full_params
@@ -96,11 +98,16 @@ class FullyShardedDataParallel(nn.Module):
             for buf in module.buffers():
                 if torch.is_floating_point(buf):
                     buf.data = buf.data.to(mixed_precision.buffer_dtype)
-        common = dict(mesh=mesh, process_group=group, param_init_fn=param_init_fn,
-                      ignored_params=skipped_params,
-                      forward_prefetch=1 if forward_prefetch else 0,
-                      backward_prefetch=0 if prefetch_at is None else 1,
-                      limit_in_flight=limit_all_gathers, comm_policy=comm_policy)
+
+        def shard(unit_module: nn.Module, reshard_after_forward, mp, unit_offload) -> nn.Module:
+            return shard_module(unit_module, mesh=mesh, process_group=group, config=UnitConfig(
+                groups=None, mp=mp, layout="flat", reshard_after_forward=reshard_after_forward,
+                offload=unit_offload, comm_policy=comm_policy, param_init_fn=param_init_fn,
+                ignored_params=frozenset(id(p) for p in skipped_params),
+                schedule=ScheduleOptions(forward_prefetch=1 if forward_prefetch else 0,
+                                         backward_prefetch=0 if prefetch_at is None else 1,
+                                         backward_prefetch_at=prefetch_at or "pre",
+                                         limit_in_flight=limit_all_gathers)))
         root_kwargs = dict(sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
                            mixed_precision=mixed_precision)
 
@@ -115,18 +122,13 @@ class FullyShardedDataParallel(nn.Module):
                     f"auto_wrap_policy: per-module arguments {sorted(kwargs)} for "
                     f"{type(unit_module).__name__} are not supported (sharding_strategy, "
                     "cpu_offload and mixed_precision are)")
-            return shard_module(unit_module, layout="flat",
-                                reshard_after_forward=unit_strategy.reshard_after_forward,
-                                mp_policy=mp, offload_policy=unit_offload, **common)
+            return shard(unit_module, unit_strategy.reshard_after_forward, mp, unit_offload)
 
         if auto_wrap_policy is not None:
             apply_auto_wrap(module, auto_wrap_policy, shard_unit, skipped_modules,
                             skipped_params, root_kwargs)
-        shard_module(module, layout="flat",
-                     reshard_after_forward=None if strategy.reshard_after_forward else False,
-                     mp_policy=options.mixed_precision(mixed_precision, True),
-                     offload_policy=offload, **common)
-        module._unit.options.backward_prefetch_at = prefetch_at or "pre"
+        shard(module, None if strategy.reshard_after_forward else False,
+              options.mixed_precision(mixed_precision, True), offload)
         self._fsdp_wrapped_module = module
         # torch's FSDP1 defaults: full state dicts, the optimizer's moved to the CPU
         fsdp1_state.set_type(module, StateDictType.FULL_STATE_DICT)
@@ -164,7 +166,7 @@ class FullyShardedDataParallel(nn.Module):
         if unit.training_state is UnitState.SUMMONED:
             return TrainingState.SUMMON_FULL_PARAMS
         schedule = unit.schedule
-        if schedule is not None and (schedule.in_forward or schedule._backward_queued):
+        if schedule is not None and schedule.running():
             return TrainingState.FORWARD_BACKWARD
         return TrainingState.IDLE
 

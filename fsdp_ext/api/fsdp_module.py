@@ -185,7 +185,8 @@ class FSDPModule(_TorchFSDPModule):
         """Gradient reductions on their own process group over the shard ranks (collective:
         every rank calls it at the same point)."""
         for unit in _units_under(self, recurse):
-            timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout)
+            timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout,
+                                              unit.config.env.collective_timeout)
             unit.groups.separate_reduce_scatter = (
                 process_groups.separate_group(unit.groups.shard, timeout) if enable else None)
 

@@ -2,7 +2,7 @@
 `FullyShardedDataParallel` (FSDP1 style, fsdp1.py)."""
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -11,12 +11,13 @@ from torch.distributed.tensor import Shard
 
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
-from ..runtime import comm, process_groups
+from ..runtime import comm, env, process_groups, storage_cache, streams
 from ..runtime.comm_policy import check_policy
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.list_unit import ListUnit
 from ..runtime.unit import Unit
+from ..runtime.unit_config import UnitConfig
 from ..state.hooks import install_state_dict_hooks
 from . import default_group, options
 from .dp_mesh_dims import data_parallel_mesh
@@ -146,14 +147,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                                                  f"fully_shard({type(members[0]).__name__})")
     if mesh is None and process_group is None:
         default_group.ensure_for_fully_shard()
-    return shard_module(
-        module, layout="rows", mesh=mesh, process_group=process_group,
-        reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy(mp_policy),
-        offload_policy=options.offload_policy(offload_policy), ignored_params=ignored_params,
-        param_init_fn=param_init_fn,
-        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-        limit_in_flight=limit_in_flight, collective_timeout=collective_timeout,
-        check_finite_grads=check_finite_grads, comm_policy=comm_policy)
+    return shard_module(module, mesh=mesh, process_group=process_group, config=UnitConfig(
+        groups=None, mp=options.mp_policy(mp_policy), layout="rows",
+        reshard_after_forward=reshard_after_forward,
+        offload=options.offload_policy(offload_policy),
+        ignored_params=frozenset(id(p) for p in ignored_params or ()),
+        param_init_fn=param_init_fn, check_finite_grads=check_finite_grads, comm_policy=comm_policy,
+        schedule=ScheduleOptions(forward_prefetch=forward_prefetch,
+                                 backward_prefetch=backward_prefetch,
+                                 limit_in_flight=limit_in_flight,
+                                 collective_timeout=collective_timeout)))
 
 
 def _members(module) -> list[nn.Module]:
@@ -186,19 +189,14 @@ def _check_placements(module: nn.Module, shard_placement_fn) -> None:
                 f"for parameter '{name}'; fsdp_ext shards along dim 0 only (Shard(0), or None)")
 
 
-def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=None,
-                 reshard_after_forward: bool | int | None = None,
-                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                 offload_policy: CPUOffloadPolicy | None = None, ignored_params=None,
-                 param_init_fn=None,
-                 forward_prefetch: int = 1, backward_prefetch: int = 1,
-                 limit_in_flight: bool = True, collective_timeout: float | None = None,
-                 check_finite_grads: bool | None = None,
-                 direct_min_numel: int | None = None, comm_policy=None) -> nn.Module:
-    """fully_shard's work, for both public APIs: `layout` "rows" (fully_shard: DTensor
-    parameters) or "flat" (FullyShardedDataParallel: FSDP1's flat views); the option objects are
-    already read (api/options.py). `direct_min_numel` (rows: which parameters are gathered
-    directly, runtime/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
+def shard_module(module: nn.Module, *, mesh=None, process_group=None,
+                 config: UnitConfig) -> nn.Module:
+    """fully_shard's work, for both public APIs: `config` holds the user's options, already read
+    (api/options.py), its `layout` "rows" (fully_shard: DTensor parameters) or "flat"
+    (FullyShardedDataParallel: FSDP1's flat views); its groups are made here from `mesh` or
+    `process_group`, and the environment read here, once (runtime/env.py).
+    `config.direct_min_numel` (rows: which parameters are gathered directly,
+    runtime/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
     members = _members(module)
     for member in members:
         if unit_of(member) is not None:
@@ -208,6 +206,7 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
                 raise ValueError(f"submodule '{name}' already ran forward; shard before the first "
                                  "forward")
     together = members[0] if len(members) == 1 else nn.ModuleList(members)  # (not kept)
+    offload_policy = config.offload
     device = _device_for(together, mesh.device_type if mesh is not None else None,
                          offload_policy is not None)
     if (device.type != "cpu" and offload_policy is None
@@ -220,24 +219,26 @@ def shard_module(module: nn.Module, *, layout: str, mesh=None, process_group=Non
                     sub._buffers[name] = buf.to(device)
     check_mesh_and_groups(members[0], mesh, process_group)
     install_step_check()  # an optimizer built before this call is caught at its first step
+    environment = env.read()  # the one read of the environment for this unit
+    storage_cache.set_enabled(environment.storage_cache)
+    streams.set_side_stream_delay(environment.side_stream_delay_cycles)
+    reshard_after_forward = config.reshard_after_forward
     groups = _groups_from(mesh, process_group, device, reshard_after_forward,
-                          comm.collective_timeout(collective_timeout))
+                          comm.collective_timeout(config.schedule.collective_timeout,
+                                                  environment.collective_timeout))
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1
+    check_finite_grads = config.check_finite_grads
     if check_finite_grads is None:
-        check_finite_grads = os.environ.get("FSDP_EXT_CHECK_FINITE_GRADS", "0") not in ("", "0")
-    schedule_options = ScheduleOptions(
-        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-        limit_in_flight=limit_in_flight, collective_timeout=collective_timeout)
-    comm_policy = check_policy(comm_policy, mp_policy,
+        check_finite_grads = environment.check_finite_grads
+    comm_policy = check_policy(config.comm_policy, config.mp,
                                f"fully_shard({type(members[0]).__name__})")
-    unit_class = ListUnit if len(members) > 1 else Unit
-    unit = unit_class(members, groups, mp_policy, reshard_after_forward, schedule_options,
-                      offload_policy, param_init_fn, layout=layout, mesh=mesh,
-                      ignored_params={id(p) for p in ignored_params or ()},
-                      check_finite_grads=check_finite_grads, direct_min_numel=direct_min_numel,
-                      comm_policy=comm_policy)
+    config = dataclasses.replace(
+        config, groups=groups, env=environment, mesh=mesh,
+        reshard_after_forward=reshard_after_forward, check_finite_grads=check_finite_grads,
+        comm_policy=comm_policy)
+    unit = (ListUnit if len(members) > 1 else Unit)(members, config)
     for member in members:
         member.__dict__[UNIT_ATTR] = unit
         install_state_dict_hooks(member)

@@ -45,9 +45,9 @@ def _kind(bucket) -> str:
 
 def _wire(unit: Unit) -> str:
     """The unit's CommPolicy: its own, the root's once resolved, or exact."""
-    policy = unit.comm_policy
+    policy = unit.config.comm_policy
     if policy is None and unit.schedule is not None:
-        policy = unit.schedule.root.comm_policy
+        policy = unit.schedule.root.config.comm_policy
         return f"{policy.describe()} (the root's)" if policy is not None else "exact"
     if policy is None:
         return "exact, or the root's CommPolicy (known at the first forward)"

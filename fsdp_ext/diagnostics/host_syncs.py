@@ -319,7 +319,7 @@ ALLOWED = {
         1, "the collective tags' one check per step (read_flags), at the end of the backward that "
            "reduces gradients (a mismatch raises on every rank before an optimizer step can use "
            "the data); with CPU offload it also covers the host shards' copies to the device"),
-    ("fsdp_ext/runtime/schedule.py", "sync_host_reads"): (
+    ("fsdp_ext/runtime/host_reads.py", "sync"): (
         1, "CPU offload without the tags on the device: the host shards are written by the "
            "optimizer step, after their copies to the device (read by the forward) completed "
            "(FSDP2 waits the same way)"),

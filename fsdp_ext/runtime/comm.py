@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -31,22 +30,19 @@ if ops.HAVE_EXTENSION:
     # Everything queued is issued before the interpreter finalizes (the thread holds tensors).
     atexit.register(_C.drain_issue_thread)
 
-TIMEOUT_ENV = "FSDP_EXT_COLLECTIVE_TIMEOUT_S"
-ISSUE_THREAD_ENV = "FSDP_EXT_ISSUE_THREAD"  # "0": CPU all-gathers are issued by the compute thread
-
-
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def collective_timeout(seconds: float | datetime.timedelta | None = None) -> datetime.timedelta | None:
-    """How long a wait on one of our collectives may block: the argument, else the environment
-    variable FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s (well under the process group's own
-    timeout: 30 min for gloo, 10 min for NCCL, so that the runtime, which knows the units and
-    the other ranks' progress, reports first). A peer that stopped issuing collectives (stuck,
-    dead, or in a different branch) becomes a CollectiveError naming it. 0 or "none": no bound
-    but the process group's."""
+def collective_timeout(seconds: float | datetime.timedelta | None = None,
+                       environment: str | None = None) -> datetime.timedelta | None:
+    """How long a wait on one of our collectives may block: the argument, else `environment`
+    (FSDP_EXT_COLLECTIVE_TIMEOUT_S as env.py read it), else 300 s (well under the process
+    group's own timeout: 30 min for gloo, 10 min for NCCL, so that the runtime, which knows the
+    units and the other ranks' progress, reports first). A peer that stopped issuing collectives
+    (stuck, dead, or in a different branch) becomes a CollectiveError naming it. 0 or "none": no
+    bound but the process group's."""
     if seconds is None:
-        seconds = os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S
+        seconds = environment or DEFAULT_TIMEOUT_S
     if isinstance(seconds, str) and seconds.lower() == "none":
         return None
     if isinstance(seconds, datetime.timedelta):
@@ -106,12 +102,6 @@ class Groups:
     @property
     def post_forward_rank(self) -> int:
         return dist.get_rank(self.post_forward) if self.post_forward is not None else 0
-
-
-def issue_thread_enabled() -> bool:
-    """CPU all-gathers go through the issue thread unless FSDP_EXT_ISSUE_THREAD=0 (or the compiled
-    extension is missing): then the compute thread issues them itself."""
-    return ops.HAVE_EXTENSION and os.environ.get(ISSUE_THREAD_ENV, "1") != "0"
 
 
 def issue_all_gather(fulls: list[torch.Tensor], sources: list[torch.Tensor], slot: int,
@@ -185,11 +175,15 @@ class Pending:
 class Streams:
     """Side streams for collectives on accelerators; on CPU, the issue thread for all-gathers."""
 
-    def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None):
+    def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None,
+                 issue_thread: bool = True):
+        """`issue_thread`: CPU all-gathers go through the issue thread (unless
+        FSDP_EXT_ISSUE_THREAD=0, or the compiled extension is missing: then the compute thread
+        issues them itself)."""
         self.device = device
         self.side = streams.side_streams(device)
         self.timeout = timeout
-        self.issue_thread = not self.side and issue_thread_enabled()
+        self.issue_thread = not self.side and issue_thread and ops.HAVE_EXTENSION
         if self.side:
             # High priority: a delayed collective delays every unit behind it.
             self.all_gather = streams.new_stream(device, priority=-1, name="all_gather")

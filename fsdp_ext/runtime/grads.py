@@ -60,7 +60,7 @@ def reduce_bucket(unit, bucket: Bucket, grads) -> None:
     reduce_dtype = bucket.wire.reduce_dtype(unit.mp.reduce_dtype or bucket.full.dtype)
     pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
     device = bucket.full.device
-    if unit.check_finite_grads:  # off by default: no cost beyond this lookup
+    if unit.config.check_finite_grads:  # off by default: no cost beyond this lookup
         bucket.grads.merge_nonfinite(finite.merge_flags(bucket.grads.nonfinite, grads, device))
 
     if not unit.requires_gradient_sync:
@@ -171,7 +171,7 @@ class PendingReduce:
             pieces = [to_host(p) for p in pieces]
         if self.offload_on_stream:  # the host reads its copies after the step's one wait
             used = self.used
-            unit.schedule.after_host_sync(
+            unit.schedule.host_reads.after_sync(
                 lambda: _epilogue(unit.name, bucket, pieces, divisor, used))
         else:  # (on CPU the pieces are views of the packed buffer: before it is recycled)
             _epilogue(unit.name, bucket, pieces, divisor, self.used)

@@ -8,8 +8,6 @@ process group, the user's parameters are replaced by DTensor parameters over thi
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -24,25 +22,27 @@ from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
 
 # fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
 # elements are gathered directly, the rest together and copied out. Chosen by measurement:
-# docs/benchmarks.md, "Gathering DTensor parameters". The environment variable, or the option
-# of shard_module, overrides it (1: every parameter direct; a huge value: every one copied out).
+# docs/benchmarks.md, "Gathering DTensor parameters". The option of shard_module, else
+# FSDP_EXT_DIRECT_MIN_NUMEL (env.py), overrides it (1: every parameter direct; a huge value:
+# every one copied out).
 DIRECT_MIN_NUMEL = 1 << 16
-DIRECT_MIN_NUMEL_ENV = "FSDP_EXT_DIRECT_MIN_NUMEL"
 
 
-def build_unit_buckets(members: list[nn.Module], groups: comm.Groups, layout: str, mesh,
-                       param_init_fn, ignored: set[int], direct_min_numel: int | None):
-    """A unit's (storage mesh, buckets): its meta parameters materialised first where asked (the
-    flat layout always, with reset_parameters() by default; the rows layout only with
-    `param_init_fn`, else they wait for the user's `to_empty`, as in torch's fully_shard)."""
-    if layout == "flat" or param_init_fn is not None:
+def build_unit_buckets(members: list[nn.Module], config):
+    """A unit's (storage mesh, buckets) for its UnitConfig: its meta parameters materialised
+    first where asked (the flat layout always, with reset_parameters() by default; the rows
+    layout only with `param_init_fn`, else they wait for the user's `to_empty`, as in torch's
+    fully_shard)."""
+    groups, layout = config.groups, config.layout
+    if layout == "flat" or config.param_init_fn is not None:
         materialize_meta_modules([m for member in members for m in _owned_modules(member)],
-                                 groups.device, param_init_fn)
-    mesh = (dtensor_params.storage_mesh(mesh, groups.shard, groups.replicate, groups.device)
-            if layout == "rows" else None)
-    direct_min_numel = direct_min_numel or int(
-        os.environ.get(DIRECT_MIN_NUMEL_ENV, DIRECT_MIN_NUMEL))
-    return mesh, build_buckets(members, groups, layout, mesh, direct_min_numel, ignored)
+                                 groups.device, config.param_init_fn)
+    mesh = (dtensor_params.storage_mesh(config.mesh, groups.shard, groups.replicate,
+                                        groups.device) if layout == "rows" else None)
+    direct_min_numel = (config.direct_min_numel or config.env.direct_min_numel
+                        or DIRECT_MIN_NUMEL)
+    return mesh, build_buckets(members, groups, layout, mesh, direct_min_numel,
+                               config.ignored_params)
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,

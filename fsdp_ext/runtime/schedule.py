@@ -13,15 +13,17 @@ import `unit` (annotations name "Unit" as text only).
 from __future__ import annotations
 
 import warnings
-
 from collections import deque
+from enum import Enum, auto
 
 import torch
 
 from . import comm, process_groups, streams
 from .fingerprints import CollectiveChecker
+from .host_reads import HostReads
 from .registry import unit_name, units_with_paths
 from .trace import RECORDER
+from .unit_state import move
 
 SINGLE_PROCESS = (
     "fsdp_ext: no process group and no launcher: this is one process and nothing is sharded "
@@ -29,42 +31,48 @@ SINGLE_PROCESS = (
     "group, as torch's does) or call torch.distributed.init_process_group() first.")
 
 
+class Phase(Enum):
+    """Where the root's step is (moved by `move`, like a unit's states).
+
+        IDLE --root pre-forward--> FORWARD --root post-forward--> IDLE --first backward hook-->
+        BACKWARD (its end-of-backward callback queued) --end of backward--> IDLE
+    A backward may also start inside the root's forward (FORWARD -> BACKWARD)."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
 class Schedule:
-    def __init__(self, root: Unit, units: list[Unit]):
+    def __init__(self, root: Unit, units: list[Unit], standalone: bool = False):
         self.root = root
+        # Made by unshard() before any forward (create_standalone): the root's schedule replaces it.
+        self.standalone = standalone
         self.units = units
         self.options = root.options  # the root's own record: setters on the root write it
-        timeout = comm.collective_timeout(self.options.collective_timeout)
+        environment = root.config.env
+        timeout = comm.collective_timeout(self.options.collective_timeout,
+                                          environment.collective_timeout)
         shared = self.options.comm_ctx  # share_comm_ctx: roots that share their streams
-        if shared is not None:
-            self.streams = shared.setdefault("streams", comm.Streams(root.groups.device, timeout))
-        else:
-            self.streams = comm.Streams(root.groups.device, timeout)
+        made = comm.Streams(root.groups.device, timeout, environment.issue_thread)
+        self.streams = shared.setdefault("streams", made) if shared is not None else made
         self.checker = CollectiveChecker(root.groups.device, timeout=timeout,
                                          side_streams=self.streams.side)
         # Before any collective, bounded: a rank that fails before its first all-gather leaves
         # the others in a wait that names it, not in a group creation (process_groups.py).
         process_groups.make_issue_thread_groups(units, self.streams.issue_thread, timeout)
-        self.prefetching = False  # set while _prefetch issues all-gathers (their tags say so)
         self.forward_order: list[Unit] = []
         self._position: dict[Unit, int] = {}   # unit -> index in forward_order (prefetch lookups)
         self._recording: dict[Unit, None] = {}  # insertion-ordered set: this forward's units
-        self.in_forward = False
-        self._backward_queued = False
+        self.phase = Phase.IDLE
         self.pending_reduce_scatters: deque = deque()
         self.peak_transient_unsharded = 0
         self.transient_in_flight: set[Unit] = set()  # kept by unshard/reshard: O(1) to count
-        # CPU offload with side streams: the all-gather stream copies host shards to the device
-        # without blocking the host. Its latest event, until the host has waited for it: the host
-        # (optimizer steps, state-dict loads, user edits) must not write a shard before that.
-        self.host_read_event = None
-        self.host_work: list = []  # after_host_sync
-        self._host_reads_ordered = False  # the compute stream waited for them; the host not yet
+        self.host_reads = HostReads(root.groups.device)  # CPU offload with side streams
         # Units a forward with grad left unsharded (the root, the last unit) for its backward;
         # emptied when that backward ends. Still there at the next root forward: that backward
         # never ran, and their gathered values may be stale (the shards may have changed since).
         self.kept_for_backward: list[Unit] = []
-        self.standalone = False           # made by unshard() before any forward (create_standalone)
         self.post_optim_event = None      # set_post_optim_event: what the next all-gather waits on
         self._reported_idle: set[Unit] = set()  # units named by _report_idle_units
 
@@ -72,8 +80,7 @@ class Schedule:
     def create_standalone(cls, unit: Unit) -> "Schedule":
         """A schedule of `unit` alone, for an explicit unshard() before any forward: the root's
         schedule replaces it at the first forward."""
-        schedule = cls(unit, [unit])
-        schedule.standalone = True
+        schedule = cls(unit, [unit], standalone=True)
         unit.join(schedule, unit.member_names, is_root=False)
         return schedule
 
@@ -100,12 +107,11 @@ class Schedule:
 
     # ---- forward ------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
-        self.in_forward = False  # (still set if the last forward raised)
-        if self._backward_queued:  # the last backward raised before its end-of-backward callback
+        if self.phase is Phase.BACKWARD:  # the last backward raised before its end callback
             self.abandon_backward()
         self.drain_reduce_scatters()
-        if self.host_work:  # the drain left offloaded gradients to accumulate on the host
-            self.sync_host_reads()
+        if self.host_reads.work:  # the drain left offloaded gradients to accumulate on the host
+            self.host_reads.sync()
         for unit in self.kept_for_backward:  # by a forward whose backward never ran
             unit.reshard()
         self.kept_for_backward = []
@@ -116,13 +122,14 @@ class Schedule:
         if not self.streams.side:
             self.post_optim_event = None  # no stream to order: the optimizer step already ended
         self._recording = {}
-        self.in_forward = True
+        move(self, "phase", Phase.FORWARD, (Phase.IDLE, Phase.FORWARD),  # (FORWARD: it raised)
+             "the root's pre-forward")
 
     def record_forward(self, unit: Unit) -> None:
         self._recording.setdefault(unit)  # first use only: a unit used twice keeps its first place
 
     def root_post_forward(self) -> None:
-        self.in_forward = False
+        self._forward_ended("the root's post-forward")
         for unit in self.units:  # list units some of whose members did not run
             unit.finish_forward()
         if self._recording:
@@ -150,15 +157,31 @@ class Schedule:
     def in_backward(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def phase(self) -> str:
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def in_forward(self) -> bool:
+        return self.phase is Phase.FORWARD
+
+    def running(self) -> bool:
+        """Inside the root's forward or a backward."""
+        return self.phase is not Phase.IDLE
+
+    def where(self, prefetch: bool) -> str:
         """Where an all-gather is issued from, for its tag's description."""
         where = ("backward" if self.in_backward() else "forward" if self.in_forward
                  else "outside forward/backward")
-        return f"{where} prefetch" if self.prefetching else where
+        return f"{where} prefetch" if prefetch else where
+
+    def _forward_ended(self, what: str) -> None:
+        if self.phase is Phase.FORWARD:  # (a backward started inside it stays BACKWARD)
+            move(self, "phase", Phase.IDLE, (Phase.FORWARD,), what)
 
     def backward_started(self) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
+        if self.phase is not Phase.BACKWARD:
+            move(self, "phase", Phase.BACKWARD, (Phase.IDLE, Phase.FORWARD), "the first backward hook")
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def prefetch_backward(self, unit: Unit, moment: str) -> None:
@@ -206,7 +229,7 @@ class Schedule:
             if unit.reshard_after_backward:
                 unit.reshard()
             unit.end_backward()
-        self._backward_queued = False
+        move(self, "phase", Phase.IDLE, tuple(Phase), "the end of backward")
         self.checker.backward_finished()
         self._report_idle_units()
         RECORDER.add("backward.finalize", self.root.name)
@@ -222,9 +245,9 @@ class Schedule:
         """The one host sync of a step: the compute stream is ordered after the offloaded shards'
         reads first, so that the collective tags' flag wait also covers them; the host
         epilogues run once it returned (a sync of their own only without tags on the device)."""
-        self.order_host_reads()
+        self.host_reads.order()
         synced = self.checker.read_flags()
-        self.sync_host_reads(already_synced=synced)
+        self.host_reads.sync(already_synced=synced)
 
     def _report_idle_units(self) -> None:
         """Name, once each, the trainable units whose forward did not run in this step: their
@@ -240,37 +263,6 @@ class Schedule:
                     f"fsdp_ext: unit '{unit.name or '<root>'}' ({unit.type_name}) took "
                     "no part in this step (its forward never ran), so its parameters got no "
                     "gradient; said once per unit", stacklevel=2)
-
-    def after_host_sync(self, work) -> None:
-        """Run `work()` (host code reading what the device copied to the host) after the host's
-        next wait for the device: CPU offload's gradient epilogues, at the end of backward."""
-        self.host_work.append(work)
-
-    def sync_host_reads(self, already_synced: bool = False) -> None:
-        """CPU offload with side streams, once per step: block the host until the all-gather
-        stream has read every host shard it was asked to (the optimizer step writes them next) and
-        the reduce-scatter stream has copied every gradient to the host, then run the host
-        epilogues that read those copies. One wait for both: the compute stream waited for every
-        reduce-scatter it finished, and waits here for the host shards' reads. Nothing to do
-        otherwise."""
-        if self.host_read_event is None and not self.host_work and not self._host_reads_ordered:
-            return
-        self.order_host_reads()
-        if not already_synced:
-            current = streams.current_stream(self.root.groups.device)
-            streams.synchronize(streams.record_event(current))
-        self._host_reads_ordered = False
-        work, self.host_work = self.host_work, []
-        for run in work:
-            run()
-
-    def order_host_reads(self) -> None:
-        """The compute stream waits for the latest read of the host shards (no host sync)."""
-        if self.host_read_event is not None:
-            streams.wait_event(streams.current_stream(self.root.groups.device),
-                               self.host_read_event)
-            self.host_read_event = None
-            self._host_reads_ordered = True
 
     def abandon_backward(self) -> None:
         """Clean up after a backward that raised (a hook, a collective, a non-finite gradient).
@@ -290,18 +282,13 @@ class Schedule:
         step's gradients (no_sync and HSDP partial sums included), reshard every unit."""
         for unit in self.units:
             unit.abandon_step()
-        self.in_forward = False
+        self._forward_ended("a reset after a failure")
         self._recording = {}
         self.abandon_backward()
 
     def forward_failed(self) -> None:
         """A registered method of the root raised: its forward is over."""
-        self.in_forward = False
-
-    def note_host_read(self, event) -> None:
-        """CPU offload with side streams: an all-gather stream's copy of host shards, recorded by
-        `event`; sync_host_reads waits for the latest before the host may write them."""
-        self.host_read_event = event
+        self._forward_ended("a registered method's failure")
 
     def take_post_optim_event(self):
         event, self.post_optim_event = self.post_optim_event, None
@@ -338,11 +325,7 @@ class Schedule:
             if limit is not None and unit.transient and self.transient_unsharded() >= limit:
                 RECORDER.add("prefetch.skipped", unit.name)
                 break
-            self.prefetching = True
-            try:
-                unit.unshard()
-            finally:
-                self.prefetching = False
+            unit.prefetch()
 
     def max_in_flight(self) -> int | None:
         if not self.options.limit_in_flight:

@@ -12,7 +12,6 @@ Devices with side streams (CUDA) have their caching allocator, which the seam's 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -23,7 +22,13 @@ if ops.HAVE_EXTENSION:
     from .. import _C
 
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
-ENABLED = ops.HAVE_EXTENSION and os.environ.get("FSDP_EXT_STORAGE_CACHE", "1") != "0"
+ENABLED = ops.HAVE_EXTENSION  # FSDP_EXT_STORAGE_CACHE=0 (env.py) turns it off: set_enabled
+
+
+def set_enabled(enabled: bool) -> None:
+    """Process-wide, as the cache is: set at each fully_shard from the environment."""
+    global ENABLED
+    ENABLED = ops.HAVE_EXTENSION and enabled
 
 
 def _cached(device: torch.device, nbytes: int) -> bool:

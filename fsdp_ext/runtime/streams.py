@@ -23,20 +23,13 @@ which the runtime takes this same side-stream path with CPU tensors and gloo.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-# Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test knob for
-# `make gpu-check`: a late collective exposes a missing wait or an early free on a real GPU.
-DELAY_ENV = "FSDP_EXT_SIDE_STREAM_DELAY_CYCLES"
 
 
 class DeviceStreams:
     """torch's device-generic streams and events; side streams on every device but the CPU."""
-
-    def __init__(self):
-        self.delay_cycles = int(os.environ.get(DELAY_ENV, "0") or 0)
 
     def side_streams(self, device: torch.device) -> bool:
         return device.type not in ("cpu", "meta")
@@ -68,8 +61,8 @@ class DeviceStreams:
         return event.query()
 
     def inject_delay(self, stream) -> None:
-        if self.delay_cycles and stream.device.type == "cuda":
-            torch.cuda._sleep(self.delay_cycles)  # queued on the current stream: `stream`
+        if _delay_cycles and stream.device.type == "cuda":
+            torch.cuda._sleep(_delay_cycles)  # queued on the current stream: `stream`
 
     def iteration_started(self, owner: object, iteration: int) -> None:
         pass  # (the stream-order model counts host syncs per steady-state step)
@@ -89,6 +82,15 @@ class DeviceStreams:
 
 
 _backend = DeviceStreams()
+# Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test knob for
+# `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, read by env.py): a late collective exposes
+# a missing wait or an early free on a real GPU.
+_delay_cycles = 0
+
+
+def set_side_stream_delay(cycles: int) -> None:
+    global _delay_cycles
+    _delay_cycles = cycles
 
 
 def set_backend(backend) -> object:

@@ -11,8 +11,10 @@ file:
 What it moves is owned elsewhere: the buffers, the all-gather in flight and what the modules hold
 by unit_params.py (gathered by gather.py, the gradients reduced by grads.py), the states by
 unit_state.py (every transition checked there); the user-facing checks are unit_checks.py, the
-adoption of new parameter tensors adopt.py; list units (`fully_shard([m1, m2])`) are list_unit.py,
-registered forward methods forward_methods.py.
+adoption of new parameter tensors adopt.py; what happens to it between steps and outside them
+(joining its root, a step's start and end, resets, registered methods, summon_full_params) is
+unit_lifecycle.py; list units (`fully_shard([m1, m2])`) are list_unit.py, registered forward
+methods forward_methods.py.
 """
 from __future__ import annotations
 
@@ -20,47 +22,34 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import comm, gather, unit_checks
+from . import gather, unit_checks
 from .adopt import adopt_params
-from .comm_policy import policy_in_effect
 from .grads import reduce_bucket
-from .mixed_precision import MixedPrecisionPolicy, cast_floating
-from .offload import CPUOffloadPolicy
+from .mixed_precision import cast_floating
 from .param_buckets import build_unit_buckets
-from .registry import unit_name
 from .schedule import Schedule
-from .schedule_options import ScheduleOptions
 from .trace import RECORDER, begin_range, end_range, profiler_range, span
+from .unit_config import UnitConfig
+from .unit_lifecycle import UnitLifecycle
 from .unit_params import UnitParams
 from .unit_state import Installed, ShardedState, TrainingState, move
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
-class Unit:
-    """Args beyond the obvious: `module` is one module, or a list of modules sharded together
-    (torch's `fully_shard([m1, m2])`: one all-gather and one reduce-scatter for all of them; the
+class Unit(UnitLifecycle):
+    """`module` is one module, or a list of modules sharded together (torch's
+    `fully_shard([m1, m2])`: one all-gather and one reduce-scatter for all of them; the
     pre-forward runs at the first of them to run, the post-forward once all of them ran);
-    `layout` "flat" (FullyShardedDataParallel) or "rows" (fully_shard, DTensor parameters on
-    `mesh`, else on a mesh made from `groups`); `param_init_fn` materialises
-    meta parameters here (the flat layout always does, with reset_parameters() by default; the rows
-    layout leaves them on meta until the user's `to_empty`, as torch's fully_shard does);
-    `ignored_params` (ids) stay plain parameters of the module, never sharded or reduced."""
+    `config` is what it is built with (unit_config.py)."""
 
-    def __init__(self, module: nn.Module | list[nn.Module], groups: comm.Groups,
-                 mp: MixedPrecisionPolicy,
-                 reshard_after_forward: bool | int | None, options: ScheduleOptions,
-                 offload: CPUOffloadPolicy | None = None, param_init_fn=None,
-                 layout: str = "flat", mesh=None, ignored_params: set[int] = frozenset(),
-                 check_finite_grads: bool = False, direct_min_numel: int | None = None,
-                 comm_policy=None):
+    def __init__(self, module: nn.Module | list[nn.Module], config: UnitConfig):
         self.members = list(module) if isinstance(module, (list, tuple)) else [module]
         self.module = self.members[0]    # the unit's module (a list's first)
-        self.groups = groups
-        self.mp = mp
-        self.reshard_after_forward = reshard_after_forward  # None: True unless root
-        self.options = options           # the schedule's if it becomes the root (schedule_options)
-        self.check_finite_grads = check_finite_grads  # flags exchanged per bucket (finite.py)
+        self.config = config
+        self.groups, self.mp, self.offload = config.groups, config.mp, config.offload
+        self.options = config.schedule   # the schedule's if it becomes the root (schedule_options)
+        self.reshard_after_forward = config.reshard_after_forward  # set_reshard_after_forward
         self.name = ""                   # fully qualified name, set by the root at lazy init
         self.member_names = [""] * len(self.members)  # each member's, likewise
         self.schedule: Schedule | None = None
@@ -76,14 +65,12 @@ class Unit:
         self.all_reduce_hook = None          # hook(reduced shard) before the epilogue
         self.forward_prefetch_units: list[Unit] | None = None   # explicit lists replace depth
         self.backward_prefetch_units: list[Unit] | None = None
-        self.offload = offload
-        self.comm_policy = comm_policy   # its own CommPolicy, or None: the root's (at join)
-        self.mesh, self.buckets = build_unit_buckets(
-            self.members, groups, layout, mesh, param_init_fn, ignored_params, direct_min_numel)
-        self.params = UnitParams(self.name, self.buckets, groups.device, mp.param_dtype, offload)
+        self.mesh, self.buckets = build_unit_buckets(self.members, config)
+        self.params = UnitParams(self.name, self.buckets, self.groups.device,
+                                 self.mp.param_dtype, self.offload)
         for bucket in self.buckets:  # (what a subclass bucket's hooks are called with)
-            bucket.wire.bind_unit(bucket, self.mesh, mp, offload, groups.post_forward_size,
-                                  self.type_name)
+            bucket.wire.bind_unit(bucket, self.mesh, self.mp, self.offload,
+                                  self.groups.post_forward_size, self.type_name)
         # The hooks run eagerly under torch.compile (a graph break at each unit boundary, as
         # torch's FSDP2 skips its hooks): they issue collectives and resize storages, which
         # graphs with dynamic shapes cannot hold, and they decide per step what to gather.
@@ -146,7 +133,12 @@ class Unit:
         if not async_op:
             self.wait_unshard()
 
-    def _start_unshard(self) -> None:
+    def prefetch(self) -> None:
+        """The schedule issues this unit's all-gather ahead of its use (its tag says so)."""
+        if not self.params.gathered():
+            self._start_unshard(prefetch=True)
+
+    def _start_unshard(self, prefetch: bool = False) -> None:
         chunks = self.params.take_chunks()
         if not self.buckets:  # every parameter belongs to child units: nothing to gather or wait for
             self.params.started_unshard(None)
@@ -161,7 +153,7 @@ class Unit:
 
         def tags():
             return [schedule.checker.issue(group, "all_gather", self.name, sizes,
-                                           schedule.phase())]
+                                           schedule.where(prefetch))]
         # Without a shard group (NO_SHARD, one rank) the unshard is a local copy: the trace says
         # so instead of showing an all-gather that does not happen.
         kind = "all_gather" if group is not None else "unshard_copy"
@@ -174,7 +166,7 @@ class Unit:
                 after_event=schedule.take_post_optim_event() if self.is_root else None)
         self.params.started_unshard(in_flight)
         if self.offload is not None and chunks is None:  # it reads the host shards
-            schedule.note_host_read(in_flight.pending.event)
+            schedule.host_reads.note_read(in_flight.pending.event)
         RECORDER.add(f"{kind}.issued", self.name)  # launched: collective queued
         schedule.note_unshard(self)
 
@@ -331,76 +323,6 @@ class Unit:
             bucket = self.buckets[i]
             reduce_bucket(self, bucket, [next(grads) for _ in bucket.slots])
         self.schedule.prefetch_backward(self, "post")
-
-    # ---- what the schedule asks of its units ------------------------------------------------------
-    def join(self, schedule: Schedule, member_names: list[str], is_root: bool) -> None:
-        """Become one of `schedule`'s units, named as the root's module tree names it."""
-        self.schedule, self.is_root = schedule, is_root
-        self.member_names = member_names
-        self.name = unit_name(member_names)
-        self.params.rename(self.name)
-        policy = policy_in_effect(self.comm_policy, schedule.root.comm_policy, self.mp,
-                                  f"fully_shard({self.type_name}) '{self.name or '<root>'}'")
-        for bucket in self.buckets:  # (subclass buckets keep gathering what their hooks give)
-            bucket.use_comm_policy(policy)
-
-    def start_step(self) -> None:
-        """At the root's pre-forward: users edit models between steps, so the parameters are
-        checked before any collective; what the last step left behind goes."""
-        if self.training_state is TrainingState.FORWARD:  # the last forward raised
-            self.abandon_step()
-            self.reshard()  # its gathered values may be stale by now
-        unit_checks.check_params_unchanged(self)
-        self.params.drop_chunks()  # kept by a forward whose backward never ran
-        for bucket in self.buckets:
-            bucket.release_grad_shard_if_unused()
-
-    def end_backward(self) -> None:
-        """At the end of backward, after the unit's reshard (if it reshards after backward)."""
-        # A recomputation (activation checkpointing) may stop early, before its post-forward
-        # could put the parameters back.
-        self.params.install_sharded()
-        self._back_to_idle("the end of backward")
-        # Chunks kept for a backward that did not use them (the unit took no part in it) would be
-        # gathered, stale, by the next forward: they belong to this step only.
-        self.params.drop_chunks()
-
-    # ---- registered forward methods and summon_full_params --------------------------------------
-    def enter_method(self) -> None:
-        self.method_depth += 1
-
-    def leave_method(self) -> None:
-        self.method_depth -= 1
-
-    def method_failed(self) -> None:
-        """A registered method raised: its forward is over (a summoned unit stays summoned)."""
-        self.method_depth -= 1
-        if self.schedule is not None and self.is_root:
-            self.schedule.forward_failed()
-        if self.training_state is TrainingState.FORWARD:
-            move(self, "training_state", TrainingState.IDLE, (TrainingState.FORWARD,),
-                 "a registered method's failure")
-        self.reshard()
-
-    def enter_summon(self) -> None:
-        move(self, "training_state", TrainingState.SUMMONED, (TrainingState.IDLE,),
-             "summon_full_params")
-
-    def leave_summon(self) -> None:
-        if self.training_state is TrainingState.SUMMONED:
-            move(self, "training_state", TrainingState.IDLE, (TrainingState.SUMMONED,),
-                 "the end of summon_full_params")
-
-    def abandon_step(self) -> None:
-        """reset_iter_state: a forward or a registered method that raised is no longer running."""
-        self.wait_unshard()
-        self.method_depth = 0
-        self._back_to_idle("reset after a failure")
-
-    def _back_to_idle(self, what: str) -> None:
-        """Any state but SUMMONED (which its block ends) -> IDLE."""
-        if self.training_state is not TrainingState.SUMMONED:
-            move(self, "training_state", TrainingState.IDLE, tuple(TrainingState), what)
 
 
 def ensure_root(unit: Unit) -> None:

@@ -25,7 +25,7 @@ def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metada
                   missing_keys, unexpected_keys, error_msgs: list) -> None:
     unit = unit_of(module)
     if unit.schedule is not None:  # (CPU offload) a copy of the shards may still be reading them
-        unit.schedule.sync_host_reads()
+        unit.schedule.host_reads.sync()
     if local_metadata.get("assign_to_params_buffers"):
         raise NotImplementedError("load_state_dict(assign=True) would replace the sharded "
                                   "parameters; load without assign")

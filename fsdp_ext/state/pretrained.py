@@ -150,7 +150,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
         if unit.params.gathered():  # gathered copies would go stale: drop them first
             unit.reshard()
         if unit.schedule is not None:
-            unit.schedule.sync_host_reads()  # offloaded shards may be read by a side stream
+            unit.schedule.host_reads.sync()  # offloaded shards may be read by a side stream
         for bucket in unit.buckets:
             for index, slot in enumerate(bucket.slots):
                 sharded.add(id(slot.param))
