@@ -19,6 +19,7 @@ import fsdp_ext.ops as ops
 
 from .test_ops_cpp import (BITS, DIVISORS, PAIRS, SCALES, assert_bitwise_equal, random_layout,
                            stress_values)
+from .test_ops_quantized import irregular_quant_input
 
 pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="fsdp_ext._C is not built")
 if ops.HAVE_EXTENSION:
@@ -123,29 +124,6 @@ def test_bad_arguments_are_refused_as_on_the_gpu():
 # ---- quantized collectives: quantize.cu's warp-per-block bodies (csrc/quant_warp_bodies.h) ----
 
 QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def irregular_quant_input(dtype: torch.dtype, seed: int):
-    """(values, starts): blocks of every length 0-300 and random ones (shorter than a warp's
-    packet step, longer than several), over every exponent of `dtype` and subnormal scales, with
-    NaN, +-inf, -0 and all-zero blocks planted."""
-    from .test_ops_quantized import every_exponent_blocks
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.cat([torch.arange(301), torch.randint(0, 1100, (60,), generator=g)])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    n = int(starts[-1])
-    pool = every_exponent_blocks(per_exponent=2, block=64, seed=seed).reshape(-1)
-    values = pool[torch.randint(0, pool.numel(), (n,), generator=g)]
-    if dtype == torch.float16:  # within fp16's range, down to its subnormals
-        values = torch.randn(n, generator=g) * 2.0 ** torch.randint(-26, 15, (n,), generator=g)
-    values = values.to(dtype)
-    starts = starts[:-1]
-    for at, planted in ((starts[200], float("nan")), (starts[220] + 31, float("inf")),
-                        (starts[240] + 7, -float("inf")), (starts[300] + 200, float("nan"))):
-        values[int(at)] = planted
-    values[int(starts[250]):int(starts[252])] = 0.0
-    values[int(starts[260]):int(starts[261])] = -0.0
-    return values, starts
 
 
 def misaligned_bytes(numel: int, shift: int) -> torch.Tensor:
