@@ -37,7 +37,7 @@ venv: $(VENV)/.installed ## the virtual environment only: torch and the test and
 FSDP_EXT_CUDA ?= auto
 BUILD_CUDA = $(if $(filter auto,$(FSDP_EXT_CUDA)),$(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0),$(FSDP_EXT_CUDA))
 BUILT = $(VENV)/.built
-$(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu)
+$(BUILT): $(VENV)/.installed setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
 	@if [ "$(BUILD_CUDA)" = 1 ]; then \
 	  echo "== set-up 2/2: building fsdp_ext._C: C++ kernels (csrc/*.cpp, csrc/cpu/*.cpp) and CUDA kernels (csrc/cuda/*.cu): about 3 minutes on 2 idle cores"; \
 	else \

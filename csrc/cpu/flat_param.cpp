@@ -15,7 +15,7 @@
 #include "../checks.h"
 #include "../flat_layout.h"
 #include "../flat_plan.h"
-#include "avx2_casts.h"
+#include "../avx2_casts.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#include "quant_avx2.h"
+#include "../quant_avx2.h"
 
 namespace fsdp_ext {
 namespace {

@@ -6,8 +6,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FSDP_EXT_QUANTIZE_AVX2 1
-#include "../quant_bodies.h"
 #include "avx2_casts.h"
+#include "quant_bodies.h"
 
 #include <immintrin.h>
 

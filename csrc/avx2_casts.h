@@ -1,5 +1,5 @@
 // Eight-lane AVX2 versions of flat_layout.h's bit-exact casts, shared by the CPU kernels
-// (csrc/cpu/flat_param.cpp, csrc/cpu/quant_avx2.h). Each is the scalar function's own integer
+// (csrc/cpu/flat_param.cpp, csrc/quant_avx2.h). Each is the scalar function's own integer
 // operations on eight lanes, so the same bits; callers check the CPU (__builtin_cpu_supports).
 #pragma once
 
