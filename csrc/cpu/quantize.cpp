@@ -1,7 +1,9 @@
 // CPU kernels of the block-quantized collectives (schemas in csrc/ops.cpp, bodies in
 // csrc/quant_bodies.h, shared with the CUDA kernels; semantics in fsdp_ext/ops/reference.py).
-// Work is split by blocks: a task quantizes, or dequantizes, whole blocks.
+// Work is split by blocks: a task quantizes, or dequantizes, whole blocks, with the eight-lane
+// AVX2 versions of the bodies below where the CPU has AVX2 and F16C (bit for bit the same).
 #include "../flat_plan.h"
+#include "../quant_avx2.h"  // the eight-lane bodies where the CPU has AVX2 (x86-64 only)
 #include "../quant_checks.h"
 
 #include <ATen/Parallel.h>
@@ -10,8 +12,6 @@
 #include <algorithm>
 #include <cstring>
 #include <vector>
-
-#include "../quant_avx2.h"
 
 namespace fsdp_ext {
 namespace {
