@@ -308,26 +308,39 @@ def test_long_irregular_blocks_match_the_reference(backend, fmt):
     assert torch.equal(out.cpu().view(torch.int32)[kept], expected.view(torch.int32)[kept])
 
 
+def _blocks_of_every_length(g: torch.Generator):
+    """(starts, n, nblocks): blocks of every length 0-100, then 100 of random lengths."""
+    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return starts[:-1], int(starts[-1]), lengths.numel()
+
+
+def _scales_of_every_kind(nblocks: int, g: torch.Generator, first: int, every: int):
+    """nblocks fp32 scales over the whole exponent range, and from block `first` on, at every
+    `every`-th block, one of 0, -0, subnormals, 1, -2.5, huge, +-inf and NaN in turn."""
+    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
+                             -float("inf"), float("nan")])
+    scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
+                                                                        generator=g)
+    picked = scales[first::every]
+    scales[first::every] = specials.repeat(picked.numel() // specials.numel() + 1)[
+        :picked.numel()]
+    return scales
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_code_and_scale_dequantizes_as_the_reference(backend, fmt):
     """Slots no quantizer writes: every code byte (fp8's NaN codes 0x7F/0xFF, its subnormals, -0)
     at every lane position, under scales of every kind (0, -0, subnormal, huge, infinite, NaN),
-    in blocks of every length from 0 to 100, into fp32 (the vectorized host path) and the others:
-    bit for bit, NaN where NaN."""
+    in blocks of every length from 0 to 100, into every dtype (the vectorized host paths): bit for
+    bit, NaN where NaN."""
     device = _device(backend)
     g = torch.Generator().manual_seed(3)
-    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    n, nblocks = int(starts[-1]), lengths.numel()
-    starts = starts[:-1]
+    starts, n, nblocks = _blocks_of_every_length(g)
     slot = torch.zeros(ops.slot_bytes(n, nblocks), dtype=torch.uint8)
     slot[:n] = torch.arange(n) % 256
-    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
-                             -float("inf"), float("nan")])
-    scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
-                                                                        generator=g)
-    scales[::7] = specials.repeat(nblocks // 70 + 1)[:scales[::7].numel()]
+    scales = _scales_of_every_kind(nblocks, g, first=0, every=7)
     start = (n + 15) // 16 * 16
     slot[start:start + 4 * nblocks] = scales.view(torch.uint8)
     for out_dtype in DTYPES:
@@ -391,21 +404,14 @@ def test_every_code_and_scale_sums_as_the_reference(backend, fmt, world):
     inf - inf included): bit for bit, NaN where NaN."""
     device = _device(backend)
     g = torch.Generator().manual_seed(4)
-    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    n, nblocks = int(starts[-1]), lengths.numel()
-    starts = starts[:-1]
+    starts, n, nblocks = _blocks_of_every_length(g)
     stride = ops.slot_bytes(n, nblocks)
     wire = torch.zeros(world * stride, dtype=torch.uint8)
-    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
-                             -float("inf"), float("nan")])
     first_scale = (n + 15) // 16 * 16
     for r in range(world):
         slot = wire[r * stride:(r + 1) * stride]
         slot[:n] = (torch.arange(n) * (2 * r + 1) + 37 * r) % 256
-        scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
-                                                                            generator=g)
-        scales[r::11] = specials.repeat(nblocks // 110 + 1)[:scales[r::11].numel()]
+        scales = _scales_of_every_kind(nblocks, g, first=r, every=11)
         slot[first_scale:first_scale + 4 * nblocks] = scales.view(torch.uint8)
     for out_dtype in DTYPES:
         out = torch.empty(n, dtype=out_dtype, device=device)
