@@ -1,8 +1,9 @@
 // Block-quantized collectives (CommPolicy): the per-block bodies, written once for the host and
-// the device. csrc/cpu/quantize.cpp runs them over blocks with at::parallel_for (fp32 quantize:
-// an AVX2 version of quantize_block that must stay bit for bit this one); csrc/cuda/
-// quantize.cu gives each quantization block one thread (quantize) or each value one thread
-// (dequantize). The slot layout and the arithmetic are fsdp_ext/ops/reference.py's:
+// the device. csrc/cpu/quantize.cpp runs them over blocks with at::parallel_for (with AVX2
+// versions that must stay bit for bit these); csrc/cuda/quantize.cu gives each quantization
+// block one warp (quant_warp_bodies.h), which splits it with the same per-element functions
+// (amax_add, quantize_code, dequantized_code). The slot layout and the arithmetic are
+// fsdp_ext/ops/reference.py's:
 //   slot bytes [0, n): codes (int8, or float8_e4m3fn); [align16(n), + 4 * nblocks): fp32 scales.
 #pragma once
 
@@ -85,38 +86,79 @@ FSDP_EXT_HOST_DEVICE float code_to_float(uint8_t code) {
   }
 }
 
-// Quantize block b (values [starts[b], next start or n)) of src into `slot`.
+// The running amax of a block and whether every value so far is finite. Partial results of any
+// part of a block merge into the same result in any order (the max of non-NaN floats is exact;
+// NaN never wins a compare, and clears `finite` instead), which is what lets the warp kernel
+// (quant_warp_bodies.h) and the AVX2 one split a block.
+struct BlockAmax {
+  float amax;
+  uint32_t finite;
+};
+
+FSDP_EXT_HOST_DEVICE BlockAmax amax_start() { return BlockAmax{0.0f, 1u}; }
+
+// `value` (as fp32) added to the running amax.
+FSDP_EXT_HOST_DEVICE BlockAmax amax_add(BlockAmax part, float value) {
+  const float a = fabsf(value);
+  part.finite &= static_cast<uint32_t>(a <= 3.40282347e38f);  // 0 for NaN and for infinities
+  part.amax = a > part.amax ? a : part.amax;
+  return part;
+}
+
+FSDP_EXT_HOST_DEVICE BlockAmax amax_merge(BlockAmax a, BlockAmax b) {
+  return BlockAmax{b.amax > a.amax ? b.amax : a.amax, a.finite & b.finite};
+}
+
+// The block's fp32 scale: amax / 127 (int8) or / 448 (fp8), one IEEE division; NaN when a value
+// is not finite.
+template <bool kFp8>
+FSDP_EXT_HOST_DEVICE float block_scale(BlockAmax block) {
+  return block.finite ? div_rn(block.amax, kFp8 ? 448.0f : 127.0f) : NAN;
+}
+
+// Whether a block of this scale stores codes; otherwise (scale 0 or NaN) every code is 0.
+FSDP_EXT_HOST_DEVICE bool block_is_coded(float scale) { return scale > 0.0f; }
+
+// The code of x in a block of scale `scale` (block_is_coded): x / scale, one IEEE division, then
+// int8's rint and clamp or fp8's conversion.
+template <bool kFp8>
+FSDP_EXT_HOST_DEVICE uint8_t quantize_code(float x, float scale) {
+  const float q = div_rn(x, scale);
+  return static_cast<uint8_t>(kFp8 ? e4m3_bits_from_float(q) : int8_bits_from_float(q));
+}
+
+// Quantize block b (values [starts[b], next start or n)) of src into `slot`: the reference body.
 template <class Src, bool kFp8>
 FSDP_EXT_HOST_DEVICE void quantize_block(const typename Src::storage* src, int64_t n,
                                          const int64_t* starts, int64_t nblocks, int64_t b,
                                          uint8_t* slot) {
   const int64_t first = starts[b];
   const int64_t count = block_end(starts, nblocks, n, b) - first;
-  float amax = 0.0f;
-  uint32_t finite = 1;
-  for (int64_t i = 0; i < count; ++i) {
-    const float a = fabsf(Src::to_float(src[first + i]));
-    finite &= static_cast<uint32_t>(a <= 3.40282347e38f);  // 0 for NaN and for infinities
-    amax = a > amax ? a : amax;
-  }
-  const float scale = finite ? div_rn(amax, kFp8 ? 448.0f : 127.0f) : NAN;
+  BlockAmax block = amax_start();
+  for (int64_t i = 0; i < count; ++i) block = amax_add(block, Src::to_float(src[first + i]));
+  const float scale = block_scale<kFp8>(block);
   memcpy(slot + align16(n) + 4 * b, &scale, sizeof(scale));
   uint8_t* codes = slot + first;
-  if (!(finite && scale > 0.0f)) {
+  if (!block_is_coded(scale)) {
     for (int64_t i = 0; i < count; ++i) codes[i] = 0;
     return;
   }
   for (int64_t i = 0; i < count; ++i) {
-    const float q = div_rn(Src::to_float(src[first + i]), scale);
-    codes[i] = static_cast<uint8_t>(kFp8 ? e4m3_bits_from_float(q) : int8_bits_from_float(q));
+    codes[i] = quantize_code<kFp8>(Src::to_float(src[first + i]), scale);
   }
+}
+
+// A code of a block of scale `scale`, dequantized to fp32: one conversion, one multiply.
+template <bool kFp8>
+FSDP_EXT_HOST_DEVICE float dequantized_code(uint8_t code, float scale) {
+  return mul_rn(code_to_float<kFp8>(code), scale);
 }
 
 // Value i (of block b) of a slot of n values, dequantized to fp32.
 template <bool kFp8>
 FSDP_EXT_HOST_DEVICE float dequantized_value(const uint8_t* slot, int64_t n, int64_t b,
                                              int64_t i) {
-  return mul_rn(code_to_float<kFp8>(slot[i]), load_scale(slot, n, b));
+  return dequantized_code<kFp8>(slot[i], load_scale(slot, n, b));
 }
 
 }  // namespace fsdp_ext

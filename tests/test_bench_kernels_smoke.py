@@ -9,8 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = {"block_1b", "small_1000", "large_256mb"}
 CASES = {"pack fp32->fp32", "pack fp32->bf16", "pack fp32->fp32 x0.125", "unpack fp32->fp32",
          "cast_into_slot fp32->bf16", "grad_epilogue bf16->fp32 /3 +="}
-QUANT_CASES = {"quantize_into fp32->int8", "quantize_into fp32->fp8", "dequantize_from int8->fp32",
-               "dequantize_from fp8->fp32"}  # no foreach counterpart
+QUANT_CASES = {*(f"quantize_into {v}->{c}" for v in ("fp32", "bf16", "fp16") for c in ("int8", "fp8")),
+               "dequantize_from int8->fp32", "dequantize_from fp8->fp32",
+               "dequantize_sum int8->fp32 w4", "dequantize_sum fp8->fp32 w4"}  # no foreach one
 
 
 def test_quick_benchmark_writes_expected_rows(tmp_path):

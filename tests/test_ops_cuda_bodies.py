@@ -19,6 +19,7 @@ import fsdp_ext.ops as ops
 
 from .test_ops_cpp import (BITS, DIVISORS, PAIRS, SCALES, assert_bitwise_equal, random_layout,
                            stress_values)
+from .test_ops_quantized import irregular_quant_input
 
 pytestmark = pytest.mark.skipif(not ops.HAVE_EXTENSION, reason="fsdp_ext._C is not built")
 if ops.HAVE_EXTENSION:
@@ -118,3 +119,59 @@ def test_bad_arguments_are_refused_as_on_the_gpu():
         _C.cuda_bodies_grad_epilogue(torch.ones(3), torch.empty(4), 1.0, False)
     with pytest.raises(ValueError, match="srcs\\[0\\]: dtype Int is not one of fp32/bf16/fp16"):
         _C.cuda_bodies_pack([torch.ones(4, dtype=torch.int32)], [0], torch.empty(4), 0, 1.0)
+
+
+# ---- quantized collectives: quantize.cu's warp-per-block bodies (csrc/quant_warp_bodies.h) ----
+
+QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def misaligned_bytes(numel: int, shift: int) -> torch.Tensor:
+    """A uint8 tensor of numel bytes (0xAB) starting `shift` bytes past an aligned address."""
+    return torch.full((numel + shift,), 0xAB, dtype=torch.uint8)[shift:]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=str)
+@pytest.mark.parametrize("shift,slot_shift", [(0, 0), (1, 0), (0, 3), (3, 6)])
+def test_quantize_into_warp_bodies(fmt, dtype, shift, slot_shift):
+    """Codes and scales bit for bit the reference's (NaN scales included: one constant), with
+    values and codes lined up for packets (0, 0), never lined up, and lined up at another
+    offset (values 3 elements, codes 6 bytes past a boundary: fp32 blocks meet at
+    different heads)."""
+    values, starts = irregular_quant_input(dtype, seed=1)
+    values = misaligned(values, shift)
+    n, nblocks = values.numel(), starts.numel()
+    got = misaligned_bytes(ops.slot_bytes(n, nblocks), slot_shift)
+    want = got.clone()
+    _C.cuda_bodies_quantize_into(values, got, starts, fmt == "fp8")
+    ops.quantize_into(values, want, starts, fmt, backend="torch")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=str)
+@pytest.mark.parametrize("world,pad", [(1, 0), (3, 0), (3, 4), (2, 16)])
+def test_dequantize_warp_bodies(fmt, dtype, world, pad):
+    """dequantize_from (world 1) and dequantize_sum of `world` slots into every dtype, with
+    strides that are packet multiples and one that is not for 16-bit values (pad 4: their
+    scalar path; fp32 takes 4-byte packets of codes and still uses them), out
+    aligned and not: bit for bit the reference's, NaN where NaN."""
+    values, starts = irregular_quant_input(torch.float32, seed=2)
+    n, nblocks = values.numel(), starts.numel()
+    stride = ops.slot_bytes(n, nblocks) + pad
+    wire = torch.zeros(world * stride, dtype=torch.uint8)
+    for r in range(world):
+        scaled = values * (r + 1) if r % 2 == 0 else values.flip(0)
+        ops.quantize_into(scaled, wire.narrow(0, r * stride, stride), starts, fmt,
+                          backend="torch")
+    for out_shift in (0, 1):
+        got = misaligned(torch.full((n,), 7.0, dtype=dtype), out_shift)
+        want = got.clone()
+        if world == 1:
+            _C.cuda_bodies_dequantize_from(wire, got, starts, fmt == "fp8")
+            ops.dequantize_from(wire, want, starts, fmt, backend="torch")
+        else:
+            _C.cuda_bodies_dequantize_sum(wire, got, starts, world, stride, fmt == "fp8")
+            ops.dequantize_sum(wire, want, starts, world, stride, fmt, backend="torch")
+        assert_identical(got, want, arithmetic=True)

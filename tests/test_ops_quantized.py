@@ -150,6 +150,28 @@ def every_exponent_blocks(per_exponent: int, block: int, seed: int) -> torch.Ten
     return torch.cat([spread, tiny])
 
 
+def irregular_quant_input(dtype: torch.dtype, seed: int):
+    """(values, starts): blocks of every length 0-300 and random ones (shorter than a warp's
+    packet step, longer than several), over every exponent of `dtype` and subnormal scales, with
+    NaN, +-inf, -0 and all-zero blocks planted."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.cat([torch.arange(301), torch.randint(0, 1100, (60,), generator=g)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(starts[-1])
+    pool = every_exponent_blocks(per_exponent=2, block=64, seed=seed).reshape(-1)
+    values = pool[torch.randint(0, pool.numel(), (n,), generator=g)]
+    if dtype == torch.float16:  # within fp16's range, down to its subnormals
+        values = torch.randn(n, generator=g) * 2.0 ** torch.randint(-26, 15, (n,), generator=g)
+    values = values.to(dtype)
+    starts = starts[:-1]
+    for at, planted in ((starts[200], float("nan")), (starts[220] + 31, float("inf")),
+                        (starts[240] + 7, -float("inf")), (starts[300] + 200, float("nan"))):
+        values[int(at)] = planted
+    values[int(starts[250]):int(starts[252])] = 0.0
+    values[int(starts[260]):int(starts[261])] = -0.0
+    return values, starts
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_exponent_and_subnormal_scales_match_the_reference(backend, fmt):
@@ -286,26 +308,39 @@ def test_long_irregular_blocks_match_the_reference(backend, fmt):
     assert torch.equal(out.cpu().view(torch.int32)[kept], expected.view(torch.int32)[kept])
 
 
+def _blocks_of_every_length(g: torch.Generator):
+    """(starts, n, nblocks): blocks of every length 0-100, then 100 of random lengths."""
+    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return starts[:-1], int(starts[-1]), lengths.numel()
+
+
+def _scales_of_every_kind(nblocks: int, g: torch.Generator, first: int, every: int):
+    """nblocks fp32 scales over the whole exponent range, and from block `first` on, at every
+    `every`-th block, one of 0, -0, subnormals, 1, -2.5, huge, +-inf and NaN in turn."""
+    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
+                             -float("inf"), float("nan")])
+    scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
+                                                                        generator=g)
+    picked = scales[first::every]
+    scales[first::every] = specials.repeat(picked.numel() // specials.numel() + 1)[
+        :picked.numel()]
+    return scales
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_code_and_scale_dequantizes_as_the_reference(backend, fmt):
     """Slots no quantizer writes: every code byte (fp8's NaN codes 0x7F/0xFF, its subnormals, -0)
     at every lane position, under scales of every kind (0, -0, subnormal, huge, infinite, NaN),
-    in blocks of every length from 0 to 100, into fp32 (the vectorized host path) and the others:
-    bit for bit, NaN where NaN."""
+    in blocks of every length from 0 to 100, into every dtype (the vectorized host paths): bit for
+    bit, NaN where NaN."""
     device = _device(backend)
     g = torch.Generator().manual_seed(3)
-    lengths = torch.cat([torch.arange(101), torch.randint(0, 101, (100,), generator=g)])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    n, nblocks = int(starts[-1]), lengths.numel()
-    starts = starts[:-1]
+    starts, n, nblocks = _blocks_of_every_length(g)
     slot = torch.zeros(ops.slot_bytes(n, nblocks), dtype=torch.uint8)
     slot[:n] = torch.arange(n) % 256
-    specials = torch.tensor([0.0, -0.0, 1e-45, 3e-39, 1.0, -2.5, 3e38, float("inf"),
-                             -float("inf"), float("nan")])
-    scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,),
-                                                                        generator=g)
-    scales[::7] = specials.repeat(nblocks // 70 + 1)[:scales[::7].numel()]
+    scales = _scales_of_every_kind(nblocks, g, first=0, every=7)
     start = (n + 15) // 16 * 16
     slot[start:start + 4 * nblocks] = scales.view(torch.uint8)
     for out_dtype in DTYPES:
@@ -313,6 +348,77 @@ def test_every_code_and_scale_dequantizes_as_the_reference(backend, fmt):
         expected = torch.empty(n, dtype=out_dtype)
         ops.dequantize_from(slot.to(device), out, starts.to(device), fmt, backend=backend)
         ops.dequantize_from(slot, expected, starts, fmt, backend="torch")
+        nan = expected.isnan()
+        assert torch.equal(out.cpu().isnan(), nan)
+        width = torch.int32 if out_dtype == torch.float32 else torch.int16
+        assert torch.equal(out.cpu().view(width)[~nan], expected.view(width)[~nan])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shift", [0, 1])
+def test_irregular_blocks_of_every_dtype_match_the_reference(backend, fmt, dtype, shift):
+    """Values of every dtype (the vectorized host kernels load eight a step, bf16 and fp16
+    widened to fp32) in blocks of every length 0-300 and longer, NaN/inf/zero blocks planted,
+    the values' address aligned and not: codes and scales bit for bit."""
+    device = _device(backend)
+    values, starts = irregular_quant_input(dtype, seed=3)
+    values = torch.cat([values[:shift], values]).to(device)[shift:]  # address + shift elements
+    n = values.numel()
+    wires = {}
+    for name, dev in ((backend, device), ("torch", "cpu")):
+        wire = torch.zeros(ops.slot_bytes(n, starts.numel()), dtype=torch.uint8, device=dev)
+        ops.quantize_into(values.to(dev), wire, starts.to(dev), fmt, backend=name)
+        wires[name] = wire.cpu()
+    assert torch.equal(wires[backend], wires["torch"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_every_16_bit_pattern_quantizes_as_the_reference(backend, fmt, dtype):
+    """All 65536 bf16 or fp16 bit patterns (NaNs, infinities, subnormals, -0), in blocks of 8,
+    16 and 33 consecutive patterns and in one whole block of each sign: codes and scales bit for
+    bit."""
+    device = _device(backend)
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    n = patterns.numel()
+    for starts in (torch.arange(0, n, 8), torch.arange(0, n, 16), torch.arange(0, n, 33),
+                   torch.tensor([0, n // 2])):
+        wires = {}
+        for name, dev in ((backend, device), ("torch", "cpu")):
+            wire = torch.zeros(ops.slot_bytes(n, starts.numel()), dtype=torch.uint8, device=dev)
+            ops.quantize_into(patterns.to(dev), wire, starts.to(dev), fmt, backend=name)
+            wires[name] = wire.cpu()
+        assert torch.equal(wires[backend], wires["torch"]), starts[:3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_every_code_and_scale_sums_as_the_reference(backend, fmt, world):
+    """dequantize_sum of slots no quantizer writes: every code byte at every lane position under
+    scales of every kind (0, -0, subnormal, huge, infinite, NaN), each slot's codes and scales
+    different, in blocks of every length 0-100, into every dtype (sums that overflow to inf and
+    inf - inf included): bit for bit, NaN where NaN."""
+    device = _device(backend)
+    g = torch.Generator().manual_seed(4)
+    starts, n, nblocks = _blocks_of_every_length(g)
+    stride = ops.slot_bytes(n, nblocks)
+    wire = torch.zeros(world * stride, dtype=torch.uint8)
+    first_scale = (n + 15) // 16 * 16
+    for r in range(world):
+        slot = wire[r * stride:(r + 1) * stride]
+        slot[:n] = (torch.arange(n) * (2 * r + 1) + 37 * r) % 256
+        scales = _scales_of_every_kind(nblocks, g, first=r, every=11)
+        slot[first_scale:first_scale + 4 * nblocks] = scales.view(torch.uint8)
+    for out_dtype in DTYPES:
+        out = torch.empty(n, dtype=out_dtype, device=device)
+        expected = torch.empty(n, dtype=out_dtype)
+        ops.dequantize_sum(wire.to(device), out, starts.to(device), world, stride, fmt,
+                           backend=backend)
+        ops.dequantize_sum(wire, expected, starts, world, stride, fmt, backend="torch")
         nan = expected.isnan()
         assert torch.equal(out.cpu().isnan(), nan)
         width = torch.int32 if out_dtype == torch.float32 else torch.int16

@@ -1,7 +1,7 @@
 """Kernel microbenchmark: fsdp_ext ops vs plain-torch equivalents vs a copy_ of the same bytes.
 
 For three realistic units (one transformer block of a 1B model, 1000 small tensors of odd sizes,
-one 256 MB tensor) and six op cases, times every available backend of `fsdp_ext.ops`
+one 256 MB tensor) and each op case, times every available backend of `fsdp_ext.ops`
 (cpp when fsdp_ext._C is built; triton on CUDA only, since the CPU interpreter measures nothing
 useful; torch, the reference), the best plain-torch ways to do the same work, and
 `dst.copy_(src)` on one tensor of the same dtype pair and element count, the memory-bandwidth limit.
@@ -33,7 +33,8 @@ from fsdp_ext import ops
 
 from ..common import RESULTS, cpu_model
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+I8, FP8 = torch.int8, torch.float8_e4m3fn
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 QUANT_BLOCK = 256  # values per quantization block, CommPolicy's default
@@ -70,19 +71,22 @@ QUICK_UNITS = {
 @dataclass(frozen=True)
 class Case:
     op: str  # pack / unpack / cast_into_slot / grad_epilogue / quantize_into / dequantize_from
+    #          / dequantize_sum
     src: torch.dtype
     dst: torch.dtype
     scale: float = 1.0    # pack
     divisor: float = 1.0  # grad_epilogue
     accumulate: bool = False
+    world: int = 1        # dequantize_sum: slots summed
 
     @property
     def name(self) -> str:
         scaled = f" x{self.scale:g}" if self.scale != 1.0 else ""
         divided = f" /{self.divisor:g}" if self.divisor != 1.0 else ""
         accumulated = " +=" if self.accumulate else ""
+        summed = f" w{self.world}" if self.op == "dequantize_sum" else ""
         return (f"{self.op} {DTYPE_NAMES[self.src]}->{DTYPE_NAMES[self.dst]}{scaled}{divided}"
-                f"{accumulated}")
+                f"{accumulated}{summed}")
 
 
 # The epilogue divides by 3, world 3's post-divide: a division (the power-of-two divisors of
@@ -90,9 +94,12 @@ class Case:
 CASES = [Case("pack", F32, F32), Case("pack", F32, BF16), Case("pack", F32, F32, scale=0.125),
          Case("unpack", F32, F32), Case("cast_into_slot", F32, BF16),
          Case("grad_epilogue", BF16, F32, divisor=3.0, accumulate=True),
-         Case("quantize_into", F32, torch.int8), Case("quantize_into", F32, torch.float8_e4m3fn),
-         Case("dequantize_from", torch.int8, F32),
-         Case("dequantize_from", torch.float8_e4m3fn, F32)]
+         Case("quantize_into", F32, I8), Case("quantize_into", F32, FP8),
+         Case("quantize_into", BF16, I8), Case("quantize_into", BF16, FP8),
+         Case("quantize_into", F16, I8), Case("quantize_into", F16, FP8),
+         Case("dequantize_from", I8, F32), Case("dequantize_from", FP8, F32),
+         Case("dequantize_sum", I8, F32, world=4), Case("dequantize_sum", FP8, F32, world=4)]
+QUANTIZED_OPS = ("quantize_into", "dequantize_from", "dequantize_sum")
 
 
 def _randn(shape, dtype, device):
@@ -106,14 +113,14 @@ def candidates(case: Case, shapes, device, backends):
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     bytes_in, bytes_out = total * case.src.itemsize, total * case.dst.itemsize
     moved = bytes_in + bytes_out + (bytes_out if case.accumulate else 0)
-    quantized = case.op in ("quantize_into", "dequantize_from")
-    if quantized:  # the slot's bytes: codes and one fp32 scale per block
+    quantized = case.op in QUANTIZED_OPS
+    if quantized:  # the slots' bytes: codes and one fp32 scale per block, `world` slots
         starts = torch.arange(0, total, QUANT_BLOCK, device=device)
         fmt = "int8" if torch.int8 in (case.src, case.dst) else "fp8"
         slot_bytes = ops.slot_bytes(total, starts.numel())
         moved = (total * case.src.itemsize if case.src.itemsize > 1
-                 else slot_bytes) + (total * case.dst.itemsize if case.dst.itemsize > 1
-                                     else slot_bytes)
+                 else case.world * slot_bytes) + (total * case.dst.itemsize
+                                                  if case.dst.itemsize > 1 else slot_bytes)
     out = []
 
     def add(name, kind, fn):
@@ -175,10 +182,26 @@ def candidates(case: Case, shapes, device, backends):
         for b in backends:
             add(b, "fsdp_ext", lambda b=b: ops.dequantize_from(slot, out_values, starts, fmt,
                                                                backend=b))
+    elif case.op == "dequantize_sum":
+        wire = torch.empty(case.world * slot_bytes, dtype=torch.uint8, device=device)
+        for r in range(case.world):
+            ops.quantize_into(_randn(total, F32, device), wire[r * slot_bytes:][:slot_bytes],
+                              starts, fmt)
+        out_values = torch.empty(total, dtype=case.dst, device=device)
+        for b in backends:
+            add(b, "fsdp_ext", lambda b=b: ops.dequantize_sum(wire, out_values, starts, case.world,
+                                                              slot_bytes, fmt, backend=b))
     # The limit: one copy_ of the same element count and dtype pair (bytes of one read + one write).
-    # (For the quantized ops: a cast copy_ between fp32 and the code dtype, the same element count.)
-    limit_src = _randn(total, case.src if case.src.itemsize > 1 else F32, device).to(case.src)
-    limit_dst = torch.empty(total, dtype=case.dst, device=device)
+    # (For the quantized ops: a cast copy_ between the value dtype and the code dtype, the same
+    # element count; for dequantize_sum, which reads `world` slots, a byte copy_ moving as many
+    # bytes as it does, half read and half written.)
+    if case.op == "dequantize_sum":
+        limit_src = torch.randint(0, 256, (moved // 2,), dtype=torch.uint8, device=device)
+        limit_dst = torch.empty_like(limit_src)
+        bytes_in = bytes_out = moved // 2
+    else:
+        limit_src = _randn(total, case.src if case.src.itemsize > 1 else F32, device).to(case.src)
+        limit_dst = torch.empty(total, dtype=case.dst, device=device)
     out.append(("copy_ (limit)", "limit", lambda: limit_dst.copy_(limit_src), bytes_in + bytes_out))
     return out
 
@@ -256,8 +279,8 @@ def run_unit_case(unit, shapes, case, device, backends, threads, repeats, warmup
 
 def check_targets(rows) -> list[dict]:
     """Large units: pack/cast >= 0.9x copy_ bandwidth. 1000 small tensors: pack/unpack >= 2x faster
-    than torch._foreach_copy_. Quantize / dequantize (fp32 <-> codes): >= 0.5x copy_ bandwidth of the
-    cast between them. Checked for the compiled backends (cpp, triton)."""
+    than torch._foreach_copy_. Quantize / dequantize (values <-> codes): >= 0.5x copy_ bandwidth of
+    the cast between them (dequantize_sum: of a byte copy). Checked for the compiled backends (cpp, triton)."""
     targets = []
     for r in rows:
         if r["impl"] not in ("cpp", "triton"):
@@ -271,7 +294,7 @@ def check_targets(rows) -> list[dict]:
             value = r["speedup_vs_foreach"]
             targets.append(dict(where, target="speedup_vs_foreach >= 2", value=value,
                                 met=value >= 2))
-        if r["unit"] != "small_1000" and op in ("quantize_into", "dequantize_from"):
+        if r["unit"] != "small_1000" and op in QUANTIZED_OPS:
             value = r["vs_copy"]
             targets.append(dict(where, target="vs_copy >= 0.5", value=value, met=value >= 0.5))
     return targets

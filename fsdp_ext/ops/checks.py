@@ -32,28 +32,31 @@ def _check_disjoint(ranges: list[tuple[int, int, int]], what: str) -> None:
         prev_end, prev_i = end, i
 
 
+def _check_window(flat: torch.Tensor, flat_name: str, flat_offset: int,
+                  tensors: Sequence[torch.Tensor], tensors_name: str,
+                  offsets: Sequence[int]) -> None:
+    """A flat window (1-D, at flat_offset) and the tensors at `offsets` in flat space (pack's
+    sources, unpack's outputs): same device, offsets >= 0, no two tensors overlapping."""
+    _check_tensor(flat, flat_name, flat.device)
+    _check(flat.dim() == 1, f"{flat_name}: must be 1-D")
+    _check(len(tensors) == len(offsets),
+           f"{tensors_name} has {len(tensors)} tensors but offsets has {len(offsets)}")
+    _check(flat_offset >= 0, f"{flat_name}_offset: must be >= 0")
+    for i, (tensor, off) in enumerate(zip(tensors, offsets)):
+        _check_tensor(tensor, f"{tensors_name}[{i}]", flat.device)
+        _check(off >= 0, f"offsets[{i}]: must be >= 0")
+    _check_disjoint([(o, o + t.numel(), i) for i, (t, o) in enumerate(zip(tensors, offsets))],
+                    tensors_name)
+
+
 def check_pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
                out_offset: int) -> None:
-    _check_tensor(out, "out", out.device)
-    _check(out.dim() == 1, "out: must be 1-D")
-    _check(len(srcs) == len(offsets), f"srcs has {len(srcs)} tensors but offsets has {len(offsets)}")
-    _check(out_offset >= 0, "out_offset: must be >= 0")
-    for i, (src, off) in enumerate(zip(srcs, offsets)):
-        _check_tensor(src, f"srcs[{i}]", out.device)
-        _check(off >= 0, f"offsets[{i}]: must be >= 0")
-    _check_disjoint([(o, o + s.numel(), i) for i, (s, o) in enumerate(zip(srcs, offsets))], "srcs")
+    _check_window(out, "out", out_offset, srcs, "srcs", offsets)
 
 
 def check_unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
                  outs: Sequence[torch.Tensor]) -> None:
-    _check_tensor(src, "src", src.device)
-    _check(src.dim() == 1, "src: must be 1-D")
-    _check(len(outs) == len(offsets), f"outs has {len(outs)} tensors but offsets has {len(offsets)}")
-    _check(src_offset >= 0, "src_offset: must be >= 0")
-    for i, (dst, off) in enumerate(zip(outs, offsets)):
-        _check_tensor(dst, f"outs[{i}]", src.device)
-        _check(off >= 0, f"offsets[{i}]: must be >= 0")
-    _check_disjoint([(o, o + d.numel(), i) for i, (d, o) in enumerate(zip(outs, offsets))], "outs")
+    _check_window(src, "src", src_offset, outs, "outs", offsets)
 
 
 def check_cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> None:

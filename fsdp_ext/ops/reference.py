@@ -19,6 +19,15 @@ from typing import Sequence
 import torch
 
 
+def _window_parts(numels: Sequence[int], offsets: Sequence[int], lo: int, hi: int):
+    """(i, slice of tensor i, slice of the window) for every tensor i (numels[i] elements at flat
+    offsets[i]) that meets the window [lo, hi) of flat space: the part they share."""
+    for i, (numel, off) in enumerate(zip(numels, offsets)):
+        start, end = max(off, lo), min(off + numel, hi)
+        if start < end:
+            yield i, slice(start - off, end - off), slice(start - lo, end - lo)
+
+
 def pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
          out_offset: int = 0, scale: float = 1.0) -> None:
     """Write every element of `out` (flat window [out_offset, out_offset + out.numel())).
@@ -27,16 +36,12 @@ def pack(srcs: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor
     window is written as `cast(src * scale)`. Elements of the window that no source covers are zeroed.
     """
     out.zero_()
-    lo, hi = out_offset, out_offset + out.numel()
-    for src, off in zip(srcs, offsets):
-        flat = src.reshape(-1)
-        start, end = max(off, lo), min(off + flat.numel(), hi)
-        if start >= end:
-            continue
-        piece = flat[start - off:end - off].float()
+    window = (out_offset, out_offset + out.numel())
+    for i, part, at in _window_parts([s.numel() for s in srcs], offsets, *window):
+        piece = srcs[i].reshape(-1)[part].float()
         if scale != 1.0:
             piece = piece * scale
-        out[start - lo:end - lo].copy_(piece.to(out.dtype))
+        out[at].copy_(piece.to(out.dtype))
 
 
 def unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
@@ -46,13 +51,9 @@ def unpack(src: torch.Tensor, src_offset: int, offsets: Sequence[int],
     outs[i] occupies flat range [offsets[i], offsets[i] + outs[i].numel()); elements of outs[i]
     outside the window are left untouched.
     """
-    lo, hi = src_offset, src_offset + src.numel()
-    for dst, off in zip(outs, offsets):
-        flat = dst.view(-1)
-        start, end = max(off, lo), min(off + flat.numel(), hi)
-        if start >= end:
-            continue
-        flat[start - off:end - off].copy_(src[start - lo:end - lo].to(dst.dtype))
+    window = (src_offset, src_offset + src.numel())
+    for i, part, at in _window_parts([d.numel() for d in outs], offsets, *window):
+        outs[i].view(-1)[part].copy_(src[at].to(outs[i].dtype))
 
 
 def cast_into_slot(shard: torch.Tensor, gathered: torch.Tensor, slot: int) -> None:

@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, triton_op, wrap_triton
 
+from .triton_bits import _bf16_bits_from_f32, _f16_bits_from_f32
+
 BLOCK_SIZE = 1024  # elements per program
 
 # Dtype kind codes, shared by the host tables and the kernels.
@@ -50,40 +52,6 @@ _BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.fl
 
 
 # ---- conversions between raw bits and fp32 -------------------------------------------------------
-
-@triton.jit
-def _bf16_bits_from_f32(x):
-    """Round fp32 to bf16 (nearest even) on bits; NaN stays a (quiet) NaN, inf stays inf."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(is_nan, (bits >> 16) | 0x40, rounded).to(tl.uint16)
-
-
-@triton.jit
-def _f16_bits_from_f32(x):
-    """Round fp32 to fp16 (nearest even) on bits: overflow -> inf, exact subnormals, NaN -> NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = (bits >> 16) & 0x8000
-    mag = bits & 0x7FFFFFFF
-    # Normal results: drop 13 mantissa bits with round-half-even, rebias the exponent (127 -> 15);
-    # a mantissa carry correctly bumps the exponent.
-    normal = ((mag + (0xFFF + ((mag >> 13) & 1))) >> 13) - (112 << 10)
-    # Subnormal results (|x| < 2**-14): the value in units of 2**-24 is mantissa * 2**(exp - 126).
-    # Shifts past 25 all round to zero, so clamping keeps them in range on every target.
-    mantissa = (mag & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum(126 - (mag >> 23).to(tl.int32), 14), 25).to(tl.uint32)
-    quotient = mantissa >> shift
-    remainder = mantissa & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
-    subnormal = quotient + round_up.to(tl.uint32)
-    result = tl.where(mag >= 0x38800000, normal, subnormal)
-    result = tl.where(mag >= 0x477FF000, 0x7C00, result)  # >= 65520 rounds to inf
-    # NaN: quiet, top payload bits kept; masked to 10 bits so no exponent bit reaches the sign.
-    result = tl.where(mag > 0x7F800000, 0x7E00 | ((mag >> 13) & 0x3FF), result)
-    return (result | sign).to(tl.uint16)
-
 
 @triton.jit
 def _f32_from_bits16(bits, is_bf16):

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_bits import _e4m3_bits_from_f32
 from .triton_kernels import _KIND_OF, _bits, _load_f32, _store_f32
 
 BLOCK = 256  # lanes per chunk of a quantization block
@@ -25,30 +26,6 @@ def _larger(a, b):
     triton's standard library, which the interpreter cannot call when triton was imported before
     TRITON_INTERPRET was set: see triton_kernels.py)."""
     return tl.maximum(a, b)
-
-
-@triton.jit
-def _e4m3_bits_from_f32(x):
-    """fp32 -> float8_e4m3fn bits (uint32 lanes), round to nearest even, as torch's cast: |x| >=
-    448 (infinities too) saturates to +-448 (0x7E), NaN -> 0x7F. The quantizer meets |x| > 448
-    when a block's scale is subnormal (amax / 448 keeps few bits: amax / scale reaches 672)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    # |x| >= 2**-6: drop 20 mantissa bits (nearest even), rebias the exponent 127 -> 7.
-    normal = ((mag + (0x7FFFF + ((mag >> 20) & 1))) >> 20) - (120 << 3)
-    # Below: the value in units of 2**-9 is mantissa * 2**(exp - 141), rounded to nearest even.
-    mantissa = (mag & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum(141 - (mag >> 23).to(tl.int32), 21), 31).to(tl.uint32)
-    quotient = mantissa >> shift
-    remainder = mantissa & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
-    subnormal = quotient + round_up.to(tl.uint32)
-    result = tl.where(mag >= 0x3C800000, normal, subnormal)
-    result = tl.where(mag >= 0x43E00000, 0x7E, result)  # 448 and beyond (`normal` overflows)
-    result = tl.where(mag > 0x7F800000, 0x7F, result)
-    return result | sign
 
 
 @triton.jit
