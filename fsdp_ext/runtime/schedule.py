@@ -19,7 +19,7 @@ from collections import deque
 import torch
 
 from . import comm, process_groups, streams
-from .fingerprints import CollectiveChecker
+from .collective_tags import CollectiveChecker
 from .registry import unit_name, units_with_paths
 from .trace import RECORDER
 

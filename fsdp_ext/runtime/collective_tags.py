@@ -1,5 +1,5 @@
 """Collective tags: every collective the runtime issues is checked, every step, before its data is
-used, and a rank that diverges or stops is named.
+used, and a rank that diverges is named.
 
 Each all-gather, reduce-scatter and (HSDP) all-reduce is issued together with a tag exchange: a
 64-bit hash of (kind, unit, the buckets' sizes and dtypes, its sequence number on that process
@@ -11,16 +11,9 @@ CollectiveMismatchError, even when the two collectives had the same size and the
 silently exchanged: on CPU ranks before touching the data, on accelerators at the end of the
 step's backward, before the optimizer step ([Note: checking on the device]). Each rank then
 writes what it was doing to the process group's store and reads the others' (bounded), so the
-error names, for every rank, the collective it was at. See [Note: tags beside the data] for why the tag is a collective of its own.
-
-Every wait is bounded (comm.collective_timeout: 300 s by default, well under the process group's
-own timeout). A daemon thread keeps a heartbeat per rank in the store (every 0.5 s: the time, and
-the collective the rank is blocked on, if any). When a wait ends without an answer (the bound, or
-a peer's broken connection), the rank reads the other members' heartbeats: those waiting on a
-collective too are fine; one alive in its own code (stuck) or without a fresh heartbeat (exited,
-died) has stopped issuing collectives, and the CollectiveError names it with its last progress
-record (written twice per iteration, one forward of the root: as it starts and when backward
-ends).
+error names, for every rank, the collective it was at. See [Note: tags beside the data] for why
+the tag is a collective of its own. A rank whose peers stopped issuing collectives is named by the
+peer watch (peer_watch.py): the tags tell it which collective this rank waits on.
 
 `FSDP_EXT_CHECK=off` turns the tags off; it exists to measure what they cost (docs/benchmarks.md).
 `FSDP_EXT_CHECK=sync` checks every tag on the host where its data is waited for, on accelerators
@@ -50,62 +43,26 @@ views an offset, and a tag in a bf16 reduction is exact only for small integers.
 8-byte-per-rank all-gather, issued asynchronously right before the data on the same group, keeps
 every data path as it is and costs what the benchmark measures; it is verified before the data is
 used, which is what makes silent mixing impossible.
+
 """
 from __future__ import annotations
 
 import collections
 import datetime
 import hashlib
-import itertools
 import os
-import threading
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from . import streams
 from .comm import all_gather_flat, wait_work
-from .errors import CollectiveError, CollectiveMismatchError
+from .errors import CollectiveMismatchError
+from .peer_watch import PeerWatch
 
 CHECK_ENV = "FSDP_EXT_CHECK"
-_NAMESPACES = itertools.count()  # checkers made in this process, in the same order on every rank
-_STORE_WAIT_S = 10.0  # how long to wait for the other ranks' accounts of a mismatch
-_HEARTBEAT_PERIOD_S = 0.5
-_HEARTBEAT_STALE_S = 2.5  # a heartbeat older than this: the process is gone
-_HEARTBEAT_GRACE_S = 3.0  # after a stall, how long to let running peers start waiting
 _FLAGS_PER_BUFFER = 256  # tag flags per pinned host buffer (a step of a 40-unit model needs ~120)
-# The heartbeat thread and the training thread share the store's one client connection, which
-# must not carry two requests at once.
-_STORE_LOCK = threading.Lock()
-
-
-class _LockedStore:
-    """The process group's store, one request at a time; `get` only of keys that exist (a
-    TCPStore `get` of a missing key waits for it)."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def set(self, key: str, value: str) -> None:
-        with _STORE_LOCK:
-            self.store.set(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        with _STORE_LOCK:
-            return self.store.check(keys)
-
-    def get(self, key: str) -> bytes:
-        with _STORE_LOCK:
-            if not self.store.check([key]):
-                raise KeyError(key)
-            return self.store.get(key)
-
-
-def _fresh(age: float | None) -> bool:
-    """Whether a heartbeat of this age (None: never written) comes from a live process."""
-    return age is not None and age < _HEARTBEAT_STALE_S
 
 
 def check_mode() -> str:
@@ -113,29 +70,6 @@ def check_mode() -> str:
     data is waited for, also on accelerators), else "on"."""
     value = os.environ.get(CHECK_ENV, "on").lower()
     return "off" if value in ("off", "0", "false") else "sync" if value == "sync" else "on"
-
-
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-
-
-def _poll(store, keys: list[str], seconds: float) -> bool:
-    """Whether every key exists within `seconds` (polled: a timed-out blocking wait can leave the
-    store's client connection unusable for the reads that follow)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        if store.check(keys):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-
-
-def _store():
-    try:
-        return _LockedStore(dist.distributed_c10d._get_default_store())
-    except Exception:  # no default group (single process without init): no records to keep
-        return None
 
 
 def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
@@ -155,13 +89,21 @@ def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
     streams.synchronize(event)
 
 
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
 class Tag:
     """One tag exchange: made by `CollectiveChecker.issue`, started by `exchange()` right before
     its data collective (on the same stream), checked before that data is used.
 
     Two ways to check (see [Note: checking on the device]): `verify()` on the host where the data
     is waited for (CPU ranks; `FSDP_EXT_CHECK=sync`), or `compare()` on the device where the data is
-    waited for, into a flag that `CollectiveChecker.read_flags` reads once per step."""
+    waited for, into a flag that `CollectiveChecker.read_flags` reads once per step.
+
+    What comm.py asks of it, and nothing else (comm.CollectiveCheck): `exchange()` at the launch;
+    `before_wait(timeout)`, `waiting()`, `on_failure(exc, timeout)` and `after_wait()` around the
+    wait for the data."""
 
     def __init__(self, checker: "CollectiveChecker", group, key: str, sequence: int,
                  description: str, value: int, size: int):
@@ -179,6 +121,10 @@ class Tag:
         self.slot = -1                        # its flag's place in the checker's pinned buffers
         self.checked = False
 
+    def __str__(self) -> str:
+        return self.description
+
+    # ---- what comm.py calls ---------------------------------------------------------------------
     def exchange(self) -> "Tag":
         """All-gather the tag on the current stream. `fill_` takes the value as a kernel
         argument: nothing is copied from the host, nothing waits."""
@@ -190,6 +136,29 @@ class Tag:
             self.work = all_gather_flat(self.everyone, self.mine, group=self.group, async_op=True)
         return self
 
+    def before_wait(self, timeout: datetime.timedelta | None) -> None:
+        """Before the host waits for the data: the host check, where tags are checked there."""
+        if not self.on_device:
+            self.verify(timeout)
+
+    def waiting(self):
+        """A context in which this rank is blocked on this tag's collective (its heartbeat says
+        so, peer_watch.py)."""
+        return self.checker.watch.waiting(self)
+
+    def on_failure(self, exc: Exception, timeout: datetime.timedelta | None) -> None:
+        """The wait for the data failed (`exc`: a timeout or a peer's broken connection): raise
+        the CollectiveError naming the ranks that stopped issuing collectives."""
+        self.checker.watch.report_stalled(dist.get_process_group_ranks(self.group),
+                                          self.description, timeout, exc, verb="finish")
+
+    def after_wait(self) -> None:
+        """The current stream was ordered after the collective: compare on the device, where
+        tags are checked there."""
+        if self.on_device:
+            self.compare()
+
+    # ---- the checks -------------------------------------------------------------------------------
     def compare(self) -> None:
         """On the current stream, which must be ordered after the exchange: how many ranks sent
         another tag than the group's first, copied without waiting into this tag's slot of pinned
@@ -208,16 +177,15 @@ class Tag:
 
     def _check(self, timeout: datetime.timedelta | None) -> None:
         self.checked = True
-        self.checker.waiting_at = self.description
-        try:
-            if self.work is not None:
-                wait_work(self.work, timeout)
-            if self.event is not None:  # on the collective's stream: the host reads the tags
-                streams.synchronize(self.event)
-        except Exception as exc:
-            self.checker.report_stalled(self, timeout, exc)
-        finally:
-            self.checker.waiting_at = None
+        with self.checker.watch.waiting(self):
+            try:
+                if self.work is not None:
+                    wait_work(self.work, timeout)
+                if self.event is not None:  # on the collective's stream: the host reads the tags
+                    streams.synchronize(self.event)
+            except Exception as exc:
+                self.checker.watch.report_stalled(dist.get_process_group_ranks(self.group),
+                                                  self.description, timeout, exc)
         everyone = self.everyone.tolist()
         if all(t == everyone[0] for t in everyone):
             return
@@ -225,7 +193,8 @@ class Tag:
 
 
 class CollectiveChecker:
-    """Issues the tags of one schedule's collectives and names divergent or stalled ranks."""
+    """Issues the tags of one schedule's collectives and names divergent ranks (stalled ones:
+    its peer watch)."""
 
     def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None,
                  side_streams: bool = False):
@@ -236,7 +205,6 @@ class CollectiveChecker:
         self.enabled = mode != "off"
         # With side streams the host must not wait for the device at each collective.
         self.on_device = side_streams and mode == "on"
-        self.namespace = f"fsdp_ext/checks/{next(_NAMESPACES)}"
         self.step = 0
         self._read_since_forward = True  # read_flags ran since the last forward began
         self.sequences: dict[str, int] = {}
@@ -247,22 +215,11 @@ class CollectiveChecker:
         self._flag_buffers: list[torch.Tensor] = []
         self._group_keys: dict[int, tuple] = {}  # id(group) -> (key, size, group)
         self.last = "nothing yet"  # the last collective this rank issued, for progress records
-        self.store = _store() if self.enabled else None
-        self.waiting_at: str | None = None  # the collective this rank is blocked on, if any
-        if self.store is not None:
-            self.beat()  # at once: a rank may fail before the thread's first beat
-            _HEARTBEAT.add(self)
+        self.watch = PeerWatch(self.enabled)
 
     # ---- progress records -------------------------------------------------------------------------
     def _record(self, where: str) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.set(f"{self.namespace}/progress/{dist.get_rank()}",
-                           f"iteration {self.step}: {where} (the last collective it had issued "
-                           f"then: {self.last})")
-        except Exception:  # the store lives on rank 0: if it is gone the collectives say so
-            self.store = None
+        self.watch.record(self.step, where, self.last)
 
     def next_iteration(self) -> None:
         if not self._read_since_forward:  # a forward with gradients whose backward never ran
@@ -342,43 +299,28 @@ class CollectiveChecker:
                     streams.wait_event(current, tag.event)
                 tag.compare()
         copied = streams.record_event(current)
-        self.waiting_at = tags[-1].description
-        try:
-            wait_bounded(copied, self.timeout)
-        except Exception as exc:
-            arrived = self._flags(len(tags))  # no wait: what the device copied so far
-            for tag, bad in zip(tags, arrived):
-                if bad > 0:
-                    self.report_mismatch(tag)
-            self.report_stalled(tags[-1], self.timeout, exc, verb="finish")
-        finally:
-            self.waiting_at = None
+        with self.watch.waiting(tags[-1]):
+            try:
+                wait_bounded(copied, self.timeout)
+            except Exception as exc:
+                arrived = self._flags(len(tags))  # no wait: what the device copied so far
+                for tag, bad in zip(tags, arrived):
+                    if bad > 0:
+                        self.report_mismatch(tag)
+                self.watch.report_stalled(dist.get_process_group_ranks(tags[-1].group),
+                                          tags[-1].description, self.timeout, exc, verb="finish")
         for tag, bad in zip(tags, self._flags(len(tags))):
             if bad > 0:
                 self.report_mismatch(tag)
         return True
 
     # ---- reports ------------------------------------------------------------------------------------
-    def _exchange(self, tag: Tag, mine: str) -> dict[int, str]:
-        """Write this rank's account of the mismatched collective; read the other members'."""
-        ranks = dist.get_process_group_ranks(tag.group)
-        prefix = f"{self.namespace}/mismatch/{tag.key}/{tag.sequence}"
-        accounts = {dist.get_rank(): mine}
-        if self.store is None:
-            return accounts
-        try:
-            self.store.set(f"{prefix}/{dist.get_rank()}", mine)
-            for r in ranks:
-                if r != dist.get_rank() and _poll(self.store, [f"{prefix}/{r}"], _STORE_WAIT_S):
-                    accounts[r] = self.store.get(f"{prefix}/{r}").decode()
-        except Exception:  # a rank that never wrote: say so below
-            pass
-        self._linger(f"{prefix}/read", [r for r in ranks if r != dist.get_rank()], _STORE_WAIT_S)
-        return accounts
-
     def report_mismatch(self, tag: Tag) -> None:
+        """Raise CollectiveMismatchError naming, for every member of the tag's group, the
+        collective it was at (their accounts, exchanged through the store)."""
         ranks = dist.get_process_group_ranks(tag.group)
-        accounts = self._exchange(tag, tag.description)
+        accounts = self.watch.accounts(f"mismatch/{tag.key}/{tag.sequence}", ranks,
+                                       tag.description)
         lines = [f"  rank {r}: {accounts.get(r, '(no account: it did not reach this check)')}"
                  for r in ranks]
         counts = collections.Counter(accounts.values())
@@ -390,111 +332,3 @@ class CollectiveChecker:
             f"{ranks}{who} (a rank skipped, added or reordered a unit, e.g. in a data-dependent "
             "branch, an extra micro-batch, or a loop that ended early); no data from it was "
             "used:\n" + "\n".join(lines))
-
-    def report_stalled(self, tag: Tag, timeout, exc: Exception, verb: str = "reach") -> None:
-        """The tag did not arrive (timeout) or a peer's connection broke. Each member's heartbeat
-        (the store, refreshed every half second by a thread) says whether it is waiting on a
-        collective too, alive in its own code, or gone; the ones not waiting are named, with their
-        last progress record."""
-        ranks = dist.get_process_group_ranks(tag.group)
-        me = dist.get_rank()
-        self.waiting_at = tag.description
-        self.beat()
-        states: dict[int, tuple[float | None, str]] = {}
-        deadline = time.monotonic() + _HEARTBEAT_GRACE_S
-        while self.store is not None:
-            states = {r: self._read_beat(r) for r in ranks if r != me}
-            # A fresh beat may be about to change: a running peer may be about to wait, and one
-            # whose beat names another collective may have just exited after it (its last beat
-            # still says where it waited). Give them the grace period: a live peer keeps beating,
-            # a gone one's beat goes stale.
-            if time.monotonic() >= deadline or not any(
-                    _fresh(age) and state != tag.description for age, state in states.values()):
-                break
-            time.sleep(0.2)
-        lines, behind = [], []
-        for r in ranks:
-            if r == me:
-                lines.append(f"  rank {r}: waiting at {tag.description}")
-                continue
-            age, state = states.get(r, (None, "running"))
-            if state != "running" and _fresh(age):
-                lines.append(f"  rank {r}: waiting at {state}")
-                continue
-            behind.append(r)
-            last_beat = f"; its last beat: waiting at {state}" if state != "running" else ""
-            where = ("alive, in its own code (not waiting on a collective)" if _fresh(age) else
-                     f"gone: no heartbeat for {age:.0f} s (exited or died{last_beat})"
-                     if age is not None
-                     else "gone: no heartbeat (or the store in rank 0's process is gone)")
-            lines.append(f"  rank {r}: {where}; last record: {self._read_progress(r)}")
-        self._linger(f"{self.namespace}/read/{tag.key}",
-                     [r for r in ranks if r != me and r not in behind], _HEARTBEAT_GRACE_S)
-        timed_out = "timed out" in str(exc).lower()
-        bound = (f" within {timeout.total_seconds():g} s" if timed_out and timeout is not None
-                 else "" if timed_out else " (a peer's connection broke)")
-        who = f"rank(s) {behind} stopped issuing collectives" if behind else \
-            "every rank is waiting (a collective was lost)"
-        raise CollectiveError(
-            f"rank {me}: peers did not {verb} {tag.description}{bound}; {who} (stuck, dead, or "
-            f"done with their collectives): {exc}\n" + "\n".join(lines)) from exc
-
-    # ---- heartbeat --------------------------------------------------------------------------------
-    def beat(self) -> None:
-        """Publish whether this rank is waiting on a collective (and which) or running."""
-        if self.store is None:
-            return
-        try:
-            self.store.set(f"{self.namespace}/beat/{dist.get_rank()}",
-                           f"{time.time():.3f}|{self.waiting_at or 'running'}")
-        except Exception:
-            self.store = None
-
-    def _read_beat(self, rank: int) -> tuple[float | None, str]:
-        try:
-            when, state = self.store.get(f"{self.namespace}/beat/{rank}").decode().split("|", 1)
-            return time.time() - float(when), state
-        except Exception:
-            return None, "running"
-
-    def _read_progress(self, rank: int) -> str:
-        try:
-            return self.store.get(f"{self.namespace}/progress/{rank}").decode()
-        except Exception:
-            return "none (it never started an iteration, or the store is gone)"
-
-    def _linger(self, prefix: str, readers: list[int], seconds: float) -> None:
-        """Say this rank has read the records (`prefix`/rank) and stay until `readers` have too,
-        for up to `seconds`: the store lives in rank 0's process, which may exit as soon as it
-        raises."""
-        if self.store is None:
-            return
-        try:
-            self.store.set(f"{prefix}/{dist.get_rank()}", "1")
-            _poll(self.store, [f"{prefix}/{r}" for r in readers], seconds)
-        except Exception:
-            pass
-
-
-class _Heartbeat:
-    """One daemon thread per process refreshing every live checker's heartbeat."""
-
-    def __init__(self):
-        self.checkers: weakref.WeakSet = weakref.WeakSet()
-        self.thread: threading.Thread | None = None
-
-    def add(self, checker: "CollectiveChecker") -> None:
-        self.checkers.add(checker)
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="fsdp_ext-heartbeat",
-                                           daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(_HEARTBEAT_PERIOD_S)
-            for checker in list(self.checkers):
-                checker.beat()
-
-
-_HEARTBEAT = _Heartbeat()
