@@ -44,6 +44,12 @@ views an offset, and a tag in a bf16 reduction is exact only for small integers.
 every data path as it is and costs what the benchmark measures; it is verified before the data is
 used, which is what makes silent mixing impossible.
 
+[Note: the host cost of a tag]
+A tag is made at every collective, so the part of it that does not change from one collective to
+the next (the text naming the kind, unit and sizes, and the hash's state after the text before
+the sequence number) is made once per (kind, unit, sizes) and kept by the checker; the
+description an error or a heartbeat prints is formatted only when one asks for it.
+benchmarks/host/tag_cost.py measures it (docs/benchmarks.md, "Collective tags").
 """
 from __future__ import annotations
 
@@ -89,8 +95,31 @@ def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
     streams.synchronize(event)
 
 
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+class _Collective:
+    """What the tags of one (kind, unit, sizes) share, made once ([Note: the host cost of a tag]).
+
+    Its `n`-th collective is named "{kind} #{n} of unit '{unit}' ({sizes})" and hashed from that
+    text: the hash's state after "{kind} #" is kept, and only the number and the rest are fed to
+    a copy of it (the same digest as hashing the whole text)."""
+
+    __slots__ = ("kind", "rest", "_rest_bytes", "_hash_head")
+
+    def __init__(self, kind: str, unit: str, sizes: list[tuple[int, torch.dtype]]):
+        shape = ", ".join(f"{n} x {str(d).replace('torch.', '')}" for n, d in sizes)
+        self.kind = kind
+        self.rest = f" of unit '{unit or '<root>'}' ({shape})"
+        self._rest_bytes = self.rest.encode()
+        self._hash_head = hashlib.blake2b(f"{kind} #".encode(), digest_size=7)
+
+    def what(self, sequence: int) -> str:
+        return f"{self.kind} #{sequence}{self.rest}"
+
+    def value(self, sequence: int) -> int:
+        """The 56-bit hash of `what(sequence)`."""
+        digest = self._hash_head.copy()
+        digest.update(b"%d" % sequence)
+        digest.update(self._rest_bytes)
+        return int.from_bytes(digest.digest(), "little")
 
 
 class Tag:
@@ -105,10 +134,17 @@ class Tag:
     `before_wait(timeout)`, `waiting()`, `on_failure(exc, timeout)` and `after_wait()` around the
     wait for the data."""
 
+    __slots__ = ("checker", "group", "key", "sequence", "collective", "phase", "iteration",
+                 "value", "on_device", "mine", "everyone", "work", "event", "bad", "slot",
+                 "checked", "_description")
+
     def __init__(self, checker: "CollectiveChecker", group, key: str, sequence: int,
-                 description: str, value: int, size: int):
+                 collective: _Collective, phase: str, size: int):
         self.checker, self.group, self.key, self.sequence = checker, group, key, sequence
-        self.description, self.value = description, value
+        self.collective, self.phase, self.iteration = collective, phase, checker.step
+        # Not the iteration: a forward that issues nothing (every unit already gathered) on one
+        # rank would shift it without any divergence in the collectives themselves.
+        self.value = collective.value(sequence)
         self.on_device = checker.on_device
         # Allocated on the stream that writes them (the collective's: comm.Streams.launch makes
         # tags there, after that stream's wait), read back on the compute stream after it waited
@@ -120,6 +156,15 @@ class Tag:
         self.bad: torch.Tensor | None = None  # on the device: how many ranks' tags differ
         self.slot = -1                        # its flag's place in the checker's pinned buffers
         self.checked = False
+        self._description: str | None = None
+
+    @property
+    def description(self) -> str:
+        """e.g. "all_gather #3 of unit 'blocks.0' (4096 x float32), forward, iteration 2"."""
+        if self._description is None:
+            self._description = (f"{self.collective.what(self.sequence)}, {self.phase}, "
+                                 f"iteration {self.iteration}")
+        return self._description
 
     def __str__(self) -> str:
         return self.description
@@ -214,12 +259,18 @@ class CollectiveChecker:
         # and reused: a slot is written again only after read_flags waited for its copy.
         self._flag_buffers: list[torch.Tensor] = []
         self._group_keys: dict[int, tuple] = {}  # id(group) -> (key, size, group)
-        self.last = "nothing yet"  # the last collective this rank issued, for progress records
+        self._collectives: dict[tuple, _Collective] = {}  # (kind, unit, sizes) -> shared parts
+        self._last: tuple[_Collective, int, str] | None = None  # the last issued, for records
         self.watch = PeerWatch(self.enabled)
 
     # ---- progress records -------------------------------------------------------------------------
     def _record(self, where: str) -> None:
-        self.watch.record(self.step, where, self.last)
+        if self._last is None:
+            last = "nothing yet"
+        else:
+            collective, sequence, phase = self._last
+            last = f"{collective.what(sequence)}, {phase}"
+        self.watch.record(self.step, where, last)
 
     def next_iteration(self) -> None:
         if not self._read_since_forward:  # a forward with gradients whose backward never ran
@@ -244,18 +295,18 @@ class CollectiveChecker:
         key, size, _ = known
         sequence = self.sequences.get(key, 0) + 1
         self.sequences[key] = sequence
-        shape = ", ".join(f"{n} x {str(d).replace('torch.', '')}" for n, d in sizes)
-        what = f"{kind} #{sequence} of unit '{unit or '<root>'}' ({shape})"
-        self.last = f"{what}, {phase}"
-        description = f"{what}, {phase}, iteration {self.step}"
-        # Not the iteration: a forward that issues nothing (every unit already gathered) on one
-        # rank would shift it without any divergence in the collectives themselves.
-        tag = Tag(self, group, key, sequence, description, _hash(what), size)
+        shared = (kind, unit, *sizes)
+        if (collective := self._collectives.get(shared)) is None:
+            collective = self._collectives[shared] = _Collective(kind, unit, sizes)
+        self._last = (collective, sequence, phase)
+        tag = Tag(self, group, key, sequence, collective, phase, size)
         if tag.on_device:
             tag.slot = len(self.unread)
             self.unread.append(tag)
+        elif (queue := self.outstanding.get(key)) is not None:
+            queue.append(tag)
         else:
-            self.outstanding.setdefault(key, collections.deque()).append(tag)
+            self.outstanding[key] = collections.deque([tag])
         return tag
 
     def flag_slot(self, slot: int) -> torch.Tensor:

@@ -147,22 +147,11 @@ class Pending:
         tags, self.tags = self.tags, []
         for tag in tags:
             tag.before_wait(self.timeout)
-        # The last one names the collective this wait finishes (the heartbeat says so).
-        with tags[-1].waiting() if tags else contextlib.nullcontext():
-            try:
-                if self.job is not None:  # issued and waited for in one call, without the GIL
-                    job, self.job = self.job, None
-                    job.wait(self.timeout.total_seconds() if self.timeout is not None else None)
-                for work in self.works:
-                    wait_work(work, self.timeout)
-            except Exception as exc:  # a dead peer or a timeout: say which collective it was
-                for tag in tags[-1:]:  # and which ranks stopped, and where they last were
-                    tag.on_failure(exc, self.timeout)
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                bound = (f" (collective_timeout {self.timeout.total_seconds():g} s)"
-                         if self.timeout else "")
-                raise CollectiveError(
-                    f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
+        if tags:  # the last one names the collective this wait finishes (the heartbeat says so)
+            with tags[-1].waiting():
+                self._wait_works(tags[-1])
+        else:
+            self._wait_works(None)
         self.works = []
         if self.event is not None:
             # The waiting stream is ordered after the collective before its tensors are let go:
@@ -172,6 +161,23 @@ class Pending:
         for tag in tags:  # now ordered after the exchange: compared on the device, read per step
             tag.after_wait()
         self.keep_alive.clear()
+
+    def _wait_works(self, last: "CollectiveCheck | None") -> None:
+        """The host's wait for the collectives: a failure names the collective (and, through its
+        last tag, the ranks that stopped, and where they last were)."""
+        try:
+            if self.job is not None:  # issued and waited for in one call, without the GIL
+                job, self.job = self.job, None
+                job.wait(self.timeout.total_seconds() if self.timeout is not None else None)
+            for work in self.works:
+                wait_work(work, self.timeout)
+        except Exception as exc:  # a dead peer or a timeout: say which collective it was
+            if last is not None:
+                last.on_failure(exc, self.timeout)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            bound = f" (collective_timeout {self.timeout.total_seconds():g} s)" if self.timeout else ""
+            raise CollectiveError(
+                f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
 
 
 class CollectiveCheck(Protocol):
