@@ -7,7 +7,9 @@ is the tag (and launch's record around it):
     issue              CollectiveChecker.issue alone: the hash, the description, two allocations
     tag                launch + wait with the tag: issue, the 8-byte all-gather, the host check
     no tag             launch + wait with the tags off (FSDP_EXT_CHECK=off): the record alone
-Per collective microseconds, the median of --reps repetitions, in a fresh process per round.
+Per collective microseconds, the median of --reps repetitions, in a fresh process per round: the
+calling thread's CPU time (what the tag costs the thread that issues and waits, without gloo's own
+threads and the wait for them, and steady under other jobs' load) and the wall time.
 
 With --before REV [REV ...] the same rounds also run the package as it was at each commit REV
 (extracted into a temporary folder; the compiled extension is this checkout's), alternated round
@@ -19,6 +21,7 @@ by round with this checkout's, so all see the same machine load.
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -28,6 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import torch
+import torch.distributed as dist
+
+from fsdp_ext.runtime import comm
+
+from ..common import (RESULTS, command, free_port, init_rank, machine, machine_line, markdown_table,
+                      write_results)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("issue", "tag", "no tag")
@@ -43,26 +54,15 @@ def _checker_class():
     return CollectiveChecker
 
 
-def _per_collective_us(loop, n: int, reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter_ns()
-        loop(n)
-        samples.append((time.perf_counter_ns() - start) / n / 1e3)
-    return statistics.median(samples)
+def _per_collective_us(loop, n: int) -> tuple[float, float]:
+    """(this thread's CPU time, wall time) per collective of `loop(n)`, microseconds."""
+    cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+    loop(n)
+    return (time.thread_time_ns() - cpu) / n / 1e3, (time.perf_counter_ns() - wall) / n / 1e3
 
 
 def child(args) -> None:
     """One round in this process: every variant, interleaved repetition by repetition."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from fsdp_ext.runtime import comm
-
-    from ..common import free_port, init_rank
-
     init_rank(0, 1, free_port())
     checker_class = _checker_class()
     device, group = torch.device("cpu"), dist.group.WORLD
@@ -106,8 +106,10 @@ def child(args) -> None:
     samples = {name: [] for name in loops}
     for _ in range(args.reps):
         for name, loop in loops.items():
-            samples[name].append(_per_collective_us(loop, args.collectives, 1))
-    print(json.dumps({name: statistics.median(v) for name, v in samples.items()}))
+            samples[name].append(_per_collective_us(loop, args.collectives))
+    print(json.dumps({name: {"cpu": statistics.median(c for c, _ in v),
+                             "wall": statistics.median(w for _, w in v)}
+                      for name, v in samples.items()}))
     dist.destroy_process_group()
 
 
@@ -126,8 +128,7 @@ def _round(path: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, ROOT]))
     out = subprocess.run([sys.executable, "-m", "benchmarks.host.tag_cost", "--child",
                           "--collectives", str(args.collectives), "--reps", str(args.reps)],
-                         cwd=path, env=env, check=True,
-                         capture_output=True, text=True).stdout
+                         cwd=path, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -138,13 +139,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per package (default 3)")
     p.add_argument("--before", metavar="REV", nargs="+", default=[],
                    help="also measure the package at these commits")
+    p.add_argument("--out", default=RESULTS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
-    from ..common import command, machine, machine_line, markdown_table
-
     with tempfile.TemporaryDirectory() as tmp:
         packages = {}
         for i, rev in enumerate(args.before):
@@ -161,16 +161,26 @@ def main() -> None:
                 results[name].append(_round(path, args))
     rows = []
     for name, rounds in results.items():
-        us = {v: statistics.median(r[v] for r in rounds) for v in VARIANTS}
-        spread = {v: (min(r[v] for r in rounds), max(r[v] for r in rounds)) for v in VARIANTS}
-        rows.append([name, *[f"{us[v]:.1f} ({spread[v][0]:.1f}-{spread[v][1]:.1f})"
-                             for v in VARIANTS], f"{us['tag'] - us['no tag']:.1f}"])
-    print(f"`{command('benchmarks.host.tag_cost')}`\n")
-    print(f"Machine: {machine_line(machine())}\n")
-    print(f"Per collective, microseconds: median of {args.rounds} rounds (min-max), each the "
-          f"median of {args.reps} repetitions of {args.collectives} collectives\n")
-    print(markdown_table(["package", "issue", "tag: launch + wait", "no tag: launch + wait",
-                          "the tag's cost"], rows))
+        def cell(variant: str, clock: str) -> str:
+            values = [r[variant][clock] for r in rounds]
+            return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+        cpu = {v: statistics.median(r[v]["cpu"] for r in rounds) for v in VARIANTS}
+        rows.append([name, *[cell(v, "cpu") for v in VARIANTS],
+                     f"{cpu['tag'] - cpu['no tag']:.1f}", cell("tag", "wall"),
+                     cell("no tag", "wall")])
+    m, cmd = machine(), command("benchmarks.host.tag_cost")
+    table = markdown_table(["package", "issue (CPU)", "tag: launch + wait (CPU)",
+                            "no tag: launch + wait (CPU)", "the tag (CPU)", "tag (wall)",
+                            "no tag (wall)"], rows)
+    text = "\n".join([
+        "### The host cost of a collective's tag, one gloo rank", "", f"`{cmd}`", "",
+        f"Machine: {machine_line(m)}", "",
+        f"Per collective, microseconds: median of {args.rounds} rounds (min-max), each the "
+        f"median of {args.reps} repetitions of {args.collectives} collectives", "", table, ""])
+    print(text)
+    write_results(args.out, "tag_cost", text,
+                  dict(command=cmd, machine=m, args=vars(args), us_per_collective=results))
 
 
 if __name__ == "__main__":
