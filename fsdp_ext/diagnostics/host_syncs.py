@@ -67,7 +67,7 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.o
 @dataclass(frozen=True)
 class HostSync:
     kind: str        # "item", "tolist", "tensor(data, device=...)", "Event.synchronize", ...
-    site: str        # "fsdp_ext/runtime/collective_tags.py:234 (_check)"
+    site: str        # "fsdp_ext/runtime/collective_tags.py:229 (_check)"
     origin: str      # "runtime" | "api" | "user" | "setup"
     scenario: str
     step: int        # the root's iteration (0: before any root's first forward)

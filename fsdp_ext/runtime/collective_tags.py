@@ -43,13 +43,6 @@ views an offset, and a tag in a bf16 reduction is exact only for small integers.
 8-byte-per-rank all-gather, issued asynchronously right before the data on the same group, keeps
 every data path as it is and costs what the benchmark measures; it is verified before the data is
 used, which is what makes silent mixing impossible.
-
-[Note: the host cost of a tag]
-A tag is made at every collective, so the part of it that does not change from one collective to
-the next (the text naming the kind, unit and sizes, and the hash's state after the text before
-the sequence number) is made once per (kind, unit, sizes) and kept by the checker; the
-description an error or a heartbeat prints is formatted only when one asks for it.
-benchmarks/host/tag_cost.py measures it (docs/benchmarks.md, "Collective tags").
 """
 from __future__ import annotations
 
@@ -96,11 +89,13 @@ def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
 
 
 class _Collective:
-    """What the tags of one (kind, unit, sizes) share, made once ([Note: the host cost of a tag]).
+    """What the tags of one (kind, unit, sizes) share, made once and kept by the checker: a tag is
+    made at every collective (benchmarks/host/tag_cost.py measures its host cost).
 
     Its `n`-th collective is named "{kind} #{n} of unit '{unit}' ({sizes})" and hashed from that
     text: the hash's state after "{kind} #" is kept, and only the number and the rest are fed to
-    a copy of it (the same digest as hashing the whole text)."""
+    a copy of it (the same digest as hashing the whole text). A tag's description is formatted
+    only when a heartbeat, a record or an error prints it."""
 
     __slots__ = ("kind", "rest", "_rest_bytes", "_hash_head")
 
