@@ -51,6 +51,16 @@ def test_host_overhead_benchmark_times_every_framework(tmp_path):
 
 
 @pytest.mark.slow
+def test_tag_cost_benchmark_times_every_variant(tmp_path):
+    result = _run("host.tag_cost", "--collectives", "20", "--reps", "1", "--rounds", "1",
+                  "--out", str(tmp_path))
+    report = json.loads((tmp_path / "tag_cost.json").read_text())
+    (rounds,) = report["us_per_collective"].values()
+    assert set(rounds[0]) == {"issue", "tag", "no tag"}
+    assert all(v["cpu"] > 0 and v["wall"] > 0 for v in rounds[0].values())
+    assert "| this checkout |" in result.stdout
+
+@pytest.mark.slow
 def test_trainer_benchmark_times_every_implementation(tmp_path):
     pytest.importorskip("accelerate")
     _run("step.trainer_step", "--layers", "1", "--hidden", "64", "--steps", "3", "--warmup", "1",

@@ -189,12 +189,12 @@ def record_worker(rank: int, world_size: int, out_dir: str) -> None:
     and off."""
     import fsdp_ext
     from fsdp_ext.diagnostics.stream_check import stream_check
-    from fsdp_ext.runtime.fingerprints import CHECK_ENV
+    from fsdp_ext.runtime.env import CHECK as CHECK_ENV
     from fsdp_ext.runtime.trace import RECORDER
     from models import GPT, GPTConfig
 
     for mode in ("on", "sync", "off"):
-        os.environ[CHECK_ENV] = mode  # read when the root's schedule is made (first forward)
+        os.environ[CHECK_ENV] = mode  # read at each fully_shard (runtime/env.py)
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=53, block_size=8, n_layer=2, n_head=2, d_model=16))
         for block in model.blocks:
@@ -234,7 +234,7 @@ def test_recorded_step_sync_tags_leave_compute_idler(tmp_path):
     costs = gp.CostModel(H100, RING_FORMULAS)  # 8 GPUs in a node
     on, sync, off = (gp.summarize(gp.replay(traces[m], costs)) for m in ("on", "sync", "off"))
     # the tags' checks wait for their events, and say where
-    assert all("fingerprints.py" in r.site for r in traces["sync"].records
+    assert all("collective_tags.py" in r.site for r in traces["sync"].records
                if isinstance(r, HostSync))
     assert sync["host_syncs"] > 0 and sync["host_blocked_s"] > 0
     assert off["host_syncs"] == 0 and off["host_blocked_s"] == 0

@@ -364,11 +364,7 @@ ALLOWED_TO_REMOVE = {
     # Bucket tensors and parameters written outside their owner (issue 35: one owner per bucket's
     # tensors; construction, adoption, summon and meta init go through its transitions).
     ("state/summon.py", "param.grad"): "summon sets a new parameter's gradient",
-    # Transitions outside `move` (issue 35: every state change through move).
-    # The collective checker's and the timeline's fields written by their users (issue 35: comm
-    # gets a wait callback, not Tag internals).
-    ("runtime/comm.py", "checker.waiting_at"): "Pending.wait writes the checker's field",
-    ("runtime/fingerprints.py", "self.checker.waiting_at"): "a Tag writes its checker's field",
+    # The timeline recorder's fields written by the launch trace.
     ("diagnostics/launch_trace.py", "recorder.enabled"): "switches runtime/trace.py's recorder",
     ("diagnostics/launch_trace.py", "recorder.events[self._marks_start:]"):
         "trims runtime/trace.py's recorder",
@@ -399,6 +395,8 @@ ALLOWED_TO_REMOVE = {
         "reshard_after_forward=k edits built groups",
 }
 ALLOWED_KEPT = {
+    ("runtime/peer_watch.py", "self.watch._waiting_at"):
+        "PeerWatch.waiting's context object, in the watch's own module",
     # Records of this module under a name another module's class also declares.
     ("runtime/gather.py", "record.pending"): "its InFlightGather (grads.PendingReduce has one too)",
     ("runtime/layout.py", "layout.groups"):

@@ -19,7 +19,7 @@ from torch import nn
 
 import fsdp_ext
 from fsdp_ext.diagnostics.stream_check import stream_check
-from fsdp_ext.runtime import fingerprints
+from fsdp_ext.runtime.env import CHECK as CHECK_ENV
 
 from .dist_utils import run_distributed
 from .proc_launch import Ranks
@@ -207,12 +207,12 @@ def device_tags_worker(rank: int, world_size: int) -> None:
             # read_flags' bounded wait would find the flags that did arrive).
             check_swapped_units(rank, world_size, forward_prefetch=0, backward_prefetch=0,
                                 reshard_after_forward=False)
-        os.environ[fingerprints.CHECK_ENV] = "sync"
+        os.environ[CHECK_ENV] = "sync"
         try:
             with model.syncs.label("sync"):
                 check_matching_ranks_pass(rank, world_size)
         finally:
-            del os.environ[fingerprints.CHECK_ENV]
+            del os.environ[CHECK_ENV]
     steps = len(model.syncs.steps["agree"])
     assert steps >= 28 and _runtime_syncs(model, "agree") == {"wait_bounded": steps}, \
         _runtime_syncs(model, "agree")

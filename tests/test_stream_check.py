@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
-from fsdp_ext.runtime import comm, fingerprints, streams
+from fsdp_ext.runtime import collective_tags, comm, streams
+from fsdp_ext.runtime.env import CHECK as CHECK_ENV
 from fsdp_ext.runtime import unit as unit_module
 from fsdp_ext.runtime.host_reads import HostReads
 from fsdp_ext.runtime.unit_state import ShardedState
@@ -285,10 +286,10 @@ PLANTS = {
 }
 
 
-# The collective tags' one host sync per step (fingerprints.read_flags) orders the host after
+# The collective tags' one host sync per step (collective_tags.read_flags) orders the host after
 # every all-gather the compute stream waited for: with them on, the host shards are safe to write
 # even without HostReads.sync's wait. Off, that wait alone orders them.
-PLANT_ENV = {"offloaded_shards_written_during_their_copy": {fingerprints.CHECK_ENV: "off"}}
+PLANT_ENV = {"offloaded_shards_written_during_their_copy": {CHECK_ENV: "off"}}
 
 
 def planted_worker(rank: int, world_size: int, plant: str) -> None:

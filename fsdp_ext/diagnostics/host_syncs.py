@@ -67,7 +67,7 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.o
 @dataclass(frozen=True)
 class HostSync:
     kind: str        # "item", "tolist", "tensor(data, device=...)", "Event.synchronize", ...
-    site: str        # "fsdp_ext/runtime/fingerprints.py:150 (_check)"
+    site: str        # "fsdp_ext/runtime/collective_tags.py:229 (_check)"
     origin: str      # "runtime" | "api" | "user" | "setup"
     scenario: str
     step: int        # the root's iteration (0: before any root's first forward)
@@ -315,7 +315,7 @@ def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | No
 # in all (ALLOWED_PER_STEP), at one of these; everything else the runtime does in a step must not
 # block the host.
 ALLOWED = {
-    ("fsdp_ext/runtime/fingerprints.py", "wait_bounded"): (
+    ("fsdp_ext/runtime/collective_tags.py", "wait_bounded"): (
         1, "the collective tags' one check per step (read_flags), at the end of the backward that "
            "reduces gradients (a mismatch raises on every rank before an optimizer step can use "
            "the data); with CPU offload it also covers the host shards' copies to the device"),

@@ -9,7 +9,8 @@ prefetch (schedule.py), collectives and process groups (comm.py), streams and bu
 (streams.py), the gradient path (grads.py, finite.py), the host block cache (storage_cache.py),
 CPU offload (offload.py),
 mixed precision (mixed_precision.py), meta-device init (deferred_init.py), the tags issued
-beside every collective and checked before its data is used (fingerprints.py), the event
+beside every collective and checked before its data is used (collective_tags.py), the
+heartbeats that name a peer which stopped issuing them (peer_watch.py), the event
 recorder and profiler ranges the hooks write (trace.py), and the errors raised while training (errors.py).
 
 May import: ops (and the compiled `fsdp_ext._C`). Every other layer imports it.

@@ -15,8 +15,10 @@ the tensors it reads and writes until someone waits on it (no `record_stream`):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -126,7 +128,7 @@ class Pending:
     label: str = ""                                   # e.g. "all_gather of unit 'blocks.0'"
     timeout: datetime.timedelta | None = None         # see collective_timeout()
     job: object = None                                # queued on the issue thread (_C._IssuedGather)
-    tags: list = field(default_factory=list)          # fingerprints.Tag: checked at the wait
+    tags: list = field(default_factory=list)          # CollectiveCheck: checked at the wait
 
     def hold(self, *tensors: torch.Tensor | None) -> None:
         """Keep `tensors` alive until the collectives are waited for."""
@@ -136,30 +138,15 @@ class Pending:
         """Make the results usable by the current stream of `device` (CPU: by the host). The
         collectives' tags are checked here: on the host first (CPU ranks: a divergent rank raises
         before any of the data is used), or on the device after the stream wait (read once per
-        step: fingerprints.py, [Note: checking on the device])."""
+        step: collective_tags.py, [Note: checking on the device])."""
         tags, self.tags = self.tags, []
         for tag in tags:
-            if not tag.on_device:
-                tag.verify(self.timeout)
-        checker = tags[-1].checker if tags else None
-        if checker is not None:  # the heartbeat says where this rank is blocked
-            checker.waiting_at = tags[-1].description
-        try:
-            if self.job is not None:  # issued and waited for in one call, without the GIL
-                job, self.job = self.job, None
-                job.wait(self.timeout.total_seconds() if self.timeout is not None else None)
-            for work in self.works:
-                wait_work(work, self.timeout)
-        except Exception as exc:  # a dead peer or a timeout: say which collective it was
-            if tags:  # and which ranks stopped, and where they last were
-                tags[-1].checker.report_stalled(tags[-1], self.timeout, exc, verb="finish")
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            bound = f" (collective_timeout {self.timeout.total_seconds():g} s)" if self.timeout else ""
-            raise CollectiveError(
-                f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
-        finally:
-            if checker is not None:
-                checker.waiting_at = None
+            tag.before_wait(self.timeout)
+        if tags:  # the last one names the collective this wait finishes (the heartbeat says so)
+            with tags[-1].waiting():
+                self._wait_works(tags[-1])
+        else:
+            self._wait_works(None)
         self.works = []
         if self.event is not None:
             # The waiting stream is ordered after the collective before its tensors are let go:
@@ -167,9 +154,44 @@ class Pending:
             streams.wait_event(streams.current_stream(self.device), self.event)
             self.event = None
         for tag in tags:  # now ordered after the exchange: compared on the device, read per step
-            if tag.on_device:
-                tag.compare()
+            tag.after_wait()
         self.keep_alive.clear()
+
+    def _wait_works(self, last: "CollectiveCheck | None") -> None:
+        """The host's wait for the collectives: a failure names the collective (and, through its
+        last tag, the ranks that stopped, and where they last were)."""
+        try:
+            if self.job is not None:  # issued and waited for in one call, without the GIL
+                job, self.job = self.job, None
+                job.wait(self.timeout.total_seconds() if self.timeout is not None else None)
+            for work in self.works:
+                wait_work(work, self.timeout)
+        except Exception as exc:  # a dead peer or a timeout: say which collective it was
+            if last is not None:
+                last.on_failure(exc, self.timeout)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            bound = f" (collective_timeout {self.timeout.total_seconds():g} s)" if self.timeout else ""
+            raise CollectiveError(
+                f"rank {rank}: {self.label or 'a collective'} failed{bound}: {exc}") from exc
+
+
+class CollectiveCheck(Protocol):
+    """What comm asks of a collective's tag (collective_tags.Tag), and all it knows of it."""
+
+    def exchange(self) -> "CollectiveCheck":
+        """Start it, on the current stream, right before its data collective."""
+
+    def before_wait(self, timeout: datetime.timedelta | None) -> None:
+        """Before the host waits for the data (checked on the host: here, in issue order)."""
+
+    def waiting(self) -> contextlib.AbstractContextManager:
+        """A context in which this rank is blocked on the collective (the peer watch's)."""
+
+    def on_failure(self, exc: Exception, timeout: datetime.timedelta | None) -> None:
+        """The wait for the data failed: raise CollectiveError naming the ranks that stopped."""
+
+    def after_wait(self) -> None:
+        """The current stream was ordered after the data (checked on the device: here)."""
 
 
 class Streams:
@@ -198,7 +220,8 @@ class Streams:
         before this call. `keep_alive` holds whatever `fn` reads or writes that another stream
         allocated, until the record is waited on. `after_event` (FSDPModule.set_post_optim_event):
         the side stream waits for that event instead of the whole compute stream. `tags()` makes
-        the collectives' tags (fingerprints.py), exchanged right before `fn`, on the same stream.
+        the collectives' tags (CollectiveCheck, or None where a collective has none), exchanged
+        right before `fn`, on the same stream.
         """
         if not self.side:
             issued = _make_tags(tags)
@@ -229,7 +252,8 @@ class Streams:
         return Pending(event=event, device=self.device, keep_alive=keep_alive, label=label,
                        timeout=self.timeout, tags=issued)
 
-def _make_tags(tags) -> list:
+
+def _make_tags(tags) -> list[CollectiveCheck]:
     return [t for t in (tags() if tags is not None else ()) if t is not None]
 
 

@@ -49,7 +49,7 @@ def start(buckets: list[Bucket], chunks, group, slot: int, world: int, streams_:
     """Gather every bucket into its gathered buffer: this rank's shard, or its post-forward
     `chunks`, goes into `slot`; `group` None is a local copy. What goes on the wire is each
     bucket's wire format's (wire.py); the path is the same for all. `tags()` makes the
-    collectives' tags (fingerprints.py), exchanged on the collectives' own order."""
+    collectives' tags (collective_tags.py), exchanged on the collectives' own order."""
     kind = "all_gather" if group is not None else "unshard_copy"
     if streams_.issue_thread:  # CPU: copy-in and broadcasts off this thread
         # Host shards are read in place. A wire format that writes its bytes itself (quantized,

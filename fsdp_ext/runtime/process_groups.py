@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .comm import wait_work
 from .errors import CollectiveError
-from .fingerprints import _poll, _store
+from .peer_watch import default_store, poll
 
 _GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
 _ISSUE_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
@@ -66,12 +66,12 @@ def meet(parent: dist.ProcessGroup, timeout: datetime.timedelta, what: str) -> N
     count_key = (dist.group.WORLD, tuple(ranks))
     _MEETS[count_key] = _MEETS.get(count_key, 0) + 1
     prefix = f"fsdp_ext/meet/{'-'.join(map(str, ranks))}/{_MEETS[count_key]}"
-    store, me = _store(), dist.get_rank()
+    store, me = default_store(), dist.get_rank()
     try:
         store.set(f"{prefix}/{me}", "1")
         if dist.get_backend(parent) == "gloo":
             wait_work(dist.barrier(group=parent, async_op=True), timeout)
-        elif not _poll(store, [f"{prefix}/{r}" for r in ranks], timeout.total_seconds()):
+        elif not poll(store, [f"{prefix}/{r}" for r in ranks], timeout.total_seconds()):
             raise TimeoutError(f"timed out after {timeout.total_seconds():g} s")
     except Exception as exc:
         _say_gave_up(store, prefix)

@@ -19,7 +19,7 @@ from enum import Enum, auto
 import torch
 
 from . import comm, process_groups, streams
-from .fingerprints import CollectiveChecker
+from .collective_tags import CollectiveChecker
 from .host_reads import HostReads
 from .registry import unit_name, units_with_paths
 from .trace import RECORDER
@@ -57,7 +57,8 @@ class Schedule:
         made = comm.Streams(root.groups.device, timeout, environment.issue_thread)
         self.streams = shared.setdefault("streams", made) if shared is not None else made
         self.checker = CollectiveChecker(root.groups.device, timeout=timeout,
-                                         side_streams=self.streams.side)
+                                         side_streams=self.streams.side,
+                                         mode=environment.check_mode)
         # Before any collective, bounded: a rank that fails before its first all-gather leaves
         # the others in a wait that names it, not in a group creation (process_groups.py).
         process_groups.make_issue_thread_groups(units, self.streams.issue_thread, timeout)
