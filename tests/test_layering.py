@@ -576,3 +576,13 @@ def test_no_caller_tests_a_bucket_kind(tmp_path):
     with open(copy / "runtime" / "gather.py", "a") as f:
         f.write("\n\ndef planted(bucket):\n    return bucket.wire.kind == 'quantized'\n")
     assert [f.split(": ", 1)[1] for f in kind_tests(str(copy))] == [".kind =="]
+
+
+MAX_RUNTIME_FILE_LINES = 350  # small single-purpose files: one that grows past this splits
+
+
+def test_runtime_files_stay_small():
+    long = [f"runtime/{rel}: {source.count(chr(10))} lines"
+            for rel, source in package_files(os.path.join(PACKAGE_DIR, "runtime")).items()
+            if source.count("\n") > MAX_RUNTIME_FILE_LINES]
+    assert long == [], f"over {MAX_RUNTIME_FILE_LINES} lines:\n" + "\n".join(long)

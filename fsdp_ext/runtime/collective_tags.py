@@ -52,23 +52,6 @@ from .peer_watch import PeerWatch
 _FLAGS_PER_BUFFER = 256  # tag flags per pinned host buffer (a step of a 40-unit model needs ~120)
 
 
-def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
-    """Block the host until `event` completed; TimeoutError after `timeout` (None: unbounded).
-
-    Polls without sleeping, yielding the interpreter between queries (`sleep(0)`: the heartbeat
-    thread still runs), as CUDA's own event wait spins by default: this is the end of backward,
-    nothing else is queued, and every microsecond between the event and the host noticing it is
-    device idle time. A fixed 100 us sleep between queries (about 160 us on Linux with timer
-    slack) added that much on average (benchmarks/host/poll_latency.py measures both)."""
-    if timeout is not None:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not streams.query(event):
-            if time.monotonic() >= deadline:
-                raise TimeoutError("timed out waiting for the step's collectives")
-            time.sleep(0)
-    streams.synchronize(event)
-
-
 class _Collective:
     """What the tags of one (kind, unit, sizes) share, made once and kept by the checker: a tag is
     made at every collective (benchmarks/host/tag_cost.py measures its host cost).
@@ -329,7 +312,7 @@ class CollectiveChecker:
         copied = streams.record_event(current)
         with self.watch.waiting(tags[-1]):
             try:
-                wait_bounded(copied, self.timeout)
+                streams.wait_bounded(copied, self.timeout)
             except Exception as exc:
                 arrived = self._flags(len(tags))  # no wait: what the device copied so far
                 for tag, bad in zip(tags, arrived):

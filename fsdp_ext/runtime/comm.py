@@ -54,10 +54,7 @@ def collective_timeout(seconds: float | datetime.timedelta | None = None,
 
 def wait_work(work, timeout: datetime.timedelta | None) -> None:
     """work.wait(), bounded by `timeout` (gloo raises "Operation timed out!" when it expires)."""
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
+    work.wait() if timeout is None else work.wait(timeout)
 
 
 @dataclass
@@ -199,9 +196,8 @@ class Streams:
 
     def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None,
                  issue_thread: bool = True):
-        """`issue_thread`: CPU all-gathers go through the issue thread (unless
-        FSDP_EXT_ISSUE_THREAD=0, or the compiled extension is missing: then the compute thread
-        issues them itself)."""
+        """`issue_thread`: CPU all-gathers go through the issue thread (False, as with
+        FSDP_EXT_ISSUE_THREAD=0, or without the compiled extension: the compute thread's)."""
         self.device = device
         self.side = streams.side_streams(device)
         self.timeout = timeout
@@ -270,26 +266,15 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: 
 
 
 class _Works:
-    """Several work handles that finish one collective, waited on as one."""
+    """Work handles that finish one collective, waited on as one; then, once, `finish()` on its
+    result. What `keep` holds (the collective's input) lives until then."""
 
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        for work in self.works:
-            wait_work(work, timeout)
-        return True
-
-
-class _ThenWork:
-    """A collective's work handle whose wait also runs `finish()` on its result (once)."""
-
-    def __init__(self, work, finish, keep):
-        self.work, self._finish, self._keep = work, finish, keep
+    def __init__(self, works: list, finish=None, keep=None):
+        self.works, self._finish, self._keep = works, finish, keep
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if self.work is not None:
-            work, self.work = self.work, None
+        works, self.works = self.works, []
+        for work in works:
             wait_work(work, timeout)
         if self._finish is not None:
             finish, self._finish, self._keep = self._finish, None, None
@@ -300,9 +285,9 @@ class _ThenWork:
 def all_to_all_then(output: torch.Tensor, input: torch.Tensor, group, async_op: bool, finish):
     """Rank r receives every rank's chunk r of `input` into `output` (equal chunks), then
     `finish()` runs on the result: at the returned handle's wait (async_op), or before this
-    returns (None). `input` is held until then."""
-    work = _ThenWork(dist.all_to_all_single(output, input, group=group, async_op=True), finish,
-                     input)
+    returns (None)."""
+    work = _Works([dist.all_to_all_single(output, input, group=group, async_op=True)], finish,
+                  input)
     if async_op:
         return work
     work.wait()
