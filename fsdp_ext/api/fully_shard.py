@@ -7,7 +7,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
@@ -112,8 +111,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             cast_forward_inputs).
         offload_policy: torch's OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...): shards,
             gradients and optimizer state on the host.
-        shard_placement_fn: torch's hook choosing a parameter's placement; Shard(0) (or None)
-            is honoured, any other placement is refused naming the parameter.
+        shard_placement_fn: torch's hook choosing a parameter's placement: Shard(dim) for any
+            dim of the parameter (uneven sizes padded), None for Shard(0); a per-parameter mesh
+            (ShardPlacementResult) is refused naming the parameter (runtime/placements.py).
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
         dp_mesh_dims: torch's DataParallelMeshDims: `mesh` is then the whole SPMD mesh and these
             its data-parallel axes (several shard axes flattened into one; a replicate axis makes
@@ -137,8 +137,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             None (default): the root's, if it has one; else exact.
     """
     members = _members(module)
-    for member in members:
-        _check_placements(member, shard_placement_fn)
     if dp_mesh_dims is not None:  # the SPMD mesh and its data-parallel axes
         if process_group is not None:
             raise ValueError(f"fully_shard({type(members[0]).__name__}): dp_mesh_dims names axes "
@@ -153,6 +151,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         offload=options.offload_policy(offload_policy),
         ignored_params=frozenset(id(p) for p in ignored_params or ()),
         param_init_fn=param_init_fn, check_finite_grads=check_finite_grads, comm_policy=comm_policy,
+        shard_placement_fn=shard_placement_fn,
         schedule=ScheduleOptions(forward_prefetch=forward_prefetch,
                                  backward_prefetch=backward_prefetch,
                                  limit_in_flight=limit_in_flight,
@@ -174,19 +173,6 @@ def _members(module) -> list[nn.Module]:
                     f"fully_shard([...]): module {j} ({type(inner).__name__}) is inside module "
                     f"{i} ({type(outer).__name__}) of the same list; list each module once")
     return members
-
-
-def _check_placements(module: nn.Module, shard_placement_fn) -> None:
-    """Only Shard(0) is implemented: refuse any other placement before anything changes."""
-    if shard_placement_fn is None:
-        return
-    for name, param in module.named_parameters():
-        placement = shard_placement_fn(param)
-        if placement is not None and not (isinstance(placement, Shard) and placement.dim in (
-                0, -param.dim())):
-            raise NotImplementedError(
-                f"fully_shard({type(module).__name__}): shard_placement_fn returned {placement} "
-                f"for parameter '{name}'; fsdp_ext shards along dim 0 only (Shard(0), or None)")
 
 
 def shard_module(module: nn.Module, *, mesh=None, process_group=None,

@@ -49,6 +49,7 @@ class ParamSlot:
     replaced: object = lambda: None            # weak reference to what `param` replaced, if any
     tp_spec: object = None                     # a tensor-parallel DTensor's spec (its TP mesh)
     member: int = 0                            # which of the unit's modules holds it (lists)
+    dim: int = 0                               # rows layout: its shard dim (Shard(dim))
     shard_view: torch.Tensor | None = None     # its part of the shard (a subclass: its chunk)
     grad_view: torch.Tensor | None = None      # its part of the gradient shard
     grad_face: torch.Tensor | None = None      # what `.grad` holds: grad_view, or a DTensor of it
@@ -184,8 +185,8 @@ class Bucket:
         with torch.no_grad():
             parts, offsets = [], []
             for i, source in enumerate(sources):
-                start, end = self.layout.param_range(i)
-                parts.append(source.detach().reshape(-1)[start:end].to(self.shard.device))
+                part = self.layout.local_part(i, source.detach())
+                parts.append(part.reshape(-1).to(self.shard.device))
                 offsets.append(self.layout.local_range(i)[0])
             ops.pack([p.contiguous() for p in parts], offsets, self.shard, 0)
 

@@ -47,9 +47,9 @@ def _grid(replicate_group, shard_group) -> torch.Tensor:
     return torch.tensor(replicas, dtype=torch.int)
 
 
-def spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
-    """Shard(0) on the mesh's last dimension, Replicate() on the one before (HSDP)."""
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int = 0) -> DTensorSpec:
+    """Shard(dim) on the mesh's last dimension, Replicate() on the one before (HSDP)."""
+    placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
     meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), dtype)
     return DTensorSpec(mesh, placements, tensor_meta=meta)
 

@@ -124,9 +124,8 @@ def post_forward_chunks(bucket: Bucket, full: torch.Tensor, world: int, k: int,
             chunks.append(full.narrow(0, g.full_offset + index * n, n).clone())
             continue
         srcs, offsets = [], []
-        for slot_index, rank, offset, count in bucket.layout.rank_major_pieces(g):
+        for slot_index, rank, offset, count, start in bucket.layout.rank_major_pieces(g):
             if index * per <= rank < (index + 1) * per:
-                start = bucket.layout.param_range(slot_index, rank)[0]
                 srcs.append(full.narrow(0, bucket.layout.slots[slot_index].full_offset + start,
                                         count))
                 offsets.append(offset - index * n)

@@ -42,9 +42,8 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
                     srcs.append(grads[index].contiguous())
                     offsets.append(base + layout.slots[index].full_offset - g.full_offset)
             continue
-        for index, rank, offset, count in layout.rank_major_pieces(g):
+        for index, rank, offset, count, start in layout.rank_major_pieces(g):
             if grads[index] is not None:
-                start = layout.param_range(index, rank)[0]
                 srcs.append(grads[index].contiguous().view(-1).narrow(0, start, count))
                 offsets.append(base + offset)
     flat = storage_cache.empty(layout.world_size * layout.shard_numel, reduce_dtype, device)

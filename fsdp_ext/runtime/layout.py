@@ -9,10 +9,14 @@ Two layouts, chosen by the API that built the unit:
   elements (possibly empty, possibly cutting a row). The gathered buffer is the flat space itself:
   every parameter is a view of it, one collective per bucket.
 
-* "rows" (fully_shard, FSDP2): each parameter is cut along dim 0 with torch.chunk's semantics,
-  c = ceil(rows / W) rows per rank, rank r holding rows [r * c, min((r + 1) * c, rows)), which is
-  DTensor's Shard(0). A rank's shard holds its chunk of every parameter, padded to c rows, so every
-  rank sends as many elements as the others.
+* "rows" (fully_shard, FSDP2): each parameter is cut along its shard dim d (0 unless a
+  shard_placement_fn says Shard(d)) with torch.chunk's semantics, c = ceil(shape[d] / W) rows
+  per rank, rank r holding rows [r * c, min((r + 1) * c, shape[d])), which is DTensor's Shard(d).
+  A rank's shard holds its chunk of every parameter, contiguous, padded to c rows, so every rank
+  sends as many elements as the others. For d > 0 the chunk is `outer` = prod(shape[:d]) blocks
+  of the parameter (one per index of the dims before d), each a contiguous range of it: such a
+  parameter is gathered into staging and copied out block by block (a copied group), as torch's
+  FSDP2 copies out a Shard(d) parameter with a cat along d.
 
 [Note: gather groups] A bucket is gathered by one collective per group. Group g takes the
 region [g.shard_offset, g.shard_offset + Q) of every rank's shard (Q = g.shard_numel) and gathers
@@ -50,7 +54,8 @@ class SlotLayout:
     shape: tuple[int, ...]
     shard_offset: int        # flat: its start in the flat space; rows: its chunk's start in the shard
     full_offset: int = 0     # where its gathered data starts in the gathered buffer
-    chunk_rows: int = 0      # rows: rows per rank (c); flat: 0
+    chunk_rows: int = 0      # rows: rows per rank (c) along the shard dim; flat: 0
+    dim: int = 0             # rows: the shard dim (Shard(dim))
 
     @property
     def numel(self) -> int:
@@ -58,7 +63,13 @@ class SlotLayout:
 
     @property
     def row_numel(self) -> int:
-        return math.prod(self.shape[1:])
+        """Elements of one row along the shard dim (of one of the `outer` blocks)."""
+        return math.prod(self.shape[self.dim + 1:])
+
+    @property
+    def outer(self) -> int:
+        """Blocks of the parameter before its shard dim (1 for Shard(0))."""
+        return math.prod(self.shape[:self.dim])
 
 
 @dataclass
@@ -89,7 +100,7 @@ class BucketLayout:
     def local_rows(self, index: int, rank: int | None = None) -> int:
         """rows: the rows of parameter `index` that `rank` holds (torch.chunk; maybe none)."""
         slot, rank = self.slots[index], self.rank if rank is None else rank
-        rows = slot.shape[0]
+        rows = slot.shape[slot.dim]
         return max(0, min(slot.chunk_rows, rows - rank * slot.chunk_rows))
 
     def local_shape(self, index: int, rank: int | None = None) -> tuple[int, ...]:
@@ -97,14 +108,15 @@ class BucketLayout:
         start, end = self.local_range(index, rank)
         if self.kind == "flat":
             return (end - start,)
-        return (self.local_rows(index, rank),) + self.slots[index].shape[1:]
+        shape, dim = self.slots[index].shape, self.slots[index].dim
+        return shape[:dim] + (self.local_rows(index, rank),) + shape[dim + 1:]
 
     def local_range(self, index: int, rank: int | None = None) -> tuple[int, int]:
         """[start, end) of parameter `index`'s part inside `rank`'s shard."""
         slot, rank = self.slots[index], self.rank if rank is None else rank
         if self.kind == "rows":
             start = slot.shard_offset
-            return start, start + self.local_rows(index, rank) * slot.row_numel
+            return start, start + slot.outer * self.local_rows(index, rank) * slot.row_numel
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         start = min(max(slot.shard_offset, lo), hi)
         end = max(min(slot.shard_offset + slot.numel, hi), start)
@@ -112,8 +124,13 @@ class BucketLayout:
 
     def param_range(self, index: int, rank: int | None = None) -> tuple[int, int]:
         """[start, end) of the flattened parameter `index` that `rank` holds: one contiguous range
-        in both layouts (a chunk of whole rows of a row-major tensor is one)."""
+        in both layouts (a chunk of whole rows of a row-major tensor is one), for a parameter
+        sharded along its first dim with more than one element (`contiguous`)."""
         slot, rank = self.slots[index], self.rank if rank is None else rank
+        if not self.contiguous(index):
+            raise NotImplementedError(
+                f"parameter {index} of shape {list(slot.shape)} is sharded along dim {slot.dim}: "
+                "its part on a rank is not one range of the flattened parameter")
         if self.kind == "rows":
             first = min(rank * slot.chunk_rows, slot.shape[0]) * slot.row_numel
             return first, first + self.local_rows(index, rank) * slot.row_numel
@@ -122,17 +139,44 @@ class BucketLayout:
         end = max(min(slot.shard_offset + slot.numel, hi), start)
         return start - slot.shard_offset, end - slot.shard_offset
 
+    def contiguous(self, index: int) -> bool:
+        """Whether every rank's part of parameter `index` is one range of the flattened parameter
+        (flat layout; rows sharded along the first dim with more than one element)."""
+        return self.kind == "flat" or self.slots[index].outer == 1
+
+    def local_part(self, index: int, full, rank: int | None = None):
+        """This rank's part of `full` (a tensor of parameter `index`'s full shape), shaped as its
+        local tensor: a view where the layout allows."""
+        slot, rank = self.slots[index], self.rank if rank is None else rank
+        if self.kind == "flat":
+            start, end = self.param_range(index, rank)
+            return full.reshape(-1)[start:end]
+        first = min(rank * slot.chunk_rows, slot.shape[slot.dim])
+        return full.narrow(slot.dim, first, self.local_rows(index, rank))
+
     # ---- where rank r's data of a parameter sits in a group's rank-major block ------------------
-    def rank_major_pieces(self, group: GroupLayout) -> list[tuple[int, int, int, int]]:
-        """(slot index, rank, offset in the group's W * Q block, element count) of every
-        non-empty piece: parameter `slot`'s elements from param_range(slot, rank)[0] on."""
+    def rank_major_pieces(self, group: GroupLayout) -> list[tuple[int, int, int, int, int]]:
+        """(slot index, rank, offset in the group's W * Q block, element count, offset in the
+        flattened parameter) of every non-empty piece: one per rank, or per rank and outer
+        block for a parameter sharded along a later dim."""
         pieces = []
         q = group.shard_numel
         for index in group.slots:
+            slot = self.slots[index]
             for rank in range(self.world_size):
                 start, end = self.local_range(index, rank)
-                if end > start:
-                    pieces.append((index, rank, rank * q + start - group.shard_offset, end - start))
+                if end <= start:
+                    continue
+                if self.contiguous(index):
+                    pieces.append((index, rank, rank * q + start - group.shard_offset,
+                                   end - start, self.param_range(index, rank)[0]))
+                    continue
+                count = self.local_rows(index, rank) * slot.row_numel
+                first = rank * slot.chunk_rows * slot.row_numel
+                block = slot.shape[slot.dim] * slot.row_numel
+                for o in range(slot.outer):
+                    pieces.append((index, rank, rank * q + start - group.shard_offset + o * count,
+                                   count, o * block + first))
         return pieces
 
 
@@ -152,15 +196,19 @@ def flat_layout(shapes: list[tuple[int, ...]], world_size: int, rank: int) -> Bu
 
 
 def rows_layout(shapes: list[tuple[int, ...]], world_size: int, rank: int,
-                direct_min_numel: int) -> BucketLayout:
-    """FSDP2's per-parameter Shard(0) layout. Parameters of at least `direct_min_numel` elements
-    are gathered directly (one group each), the others together in one copied group."""
+                direct_min_numel: int, dims: list[int] | None = None) -> BucketLayout:
+    """FSDP2's per-parameter Shard(dim) layout (`dims`: each parameter's, default 0). Parameters
+    of at least `direct_min_numel` elements whose rank-major gather is the parameter itself
+    (sharded along the first dim with more than one element) are gathered directly (one group
+    each), the others together in one copied group."""
     slots = []
-    for shape in shapes:
-        if len(shape) == 0:
-            raise ValueError("0-dim parameters cannot be sharded along dim 0")
-        slots.append(SlotLayout(tuple(shape), 0, chunk_rows=math.ceil(shape[0] / world_size)))
-    direct = [i for i, s in enumerate(slots) if s.numel >= direct_min_numel and s.numel > 0]
+    for shape, dim in zip(shapes, dims or [0] * len(shapes)):
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"a parameter of shape {list(shape)} cannot be sharded along dim {dim}")
+        slots.append(SlotLayout(tuple(shape), 0, chunk_rows=math.ceil(shape[dim] / world_size),
+                                dim=dim))
+    direct = [i for i, s in enumerate(slots)
+              if s.numel >= direct_min_numel and s.numel > 0 and s.outer == 1]
     copied = [i for i in range(len(slots)) if i not in direct]
     layout = BucketLayout("rows", world_size, rank, slots)
     shard_offset = full_offset = 0
@@ -168,7 +216,7 @@ def rows_layout(shapes: list[tuple[int, ...]], world_size: int, rank: int,
         # Q is exactly the padded chunk, so that the gathered block is the parameter (tail-padded);
         # groups start ALIGN-aligned, in the shard and in the gathered buffer.
         slot = slots[index]
-        q = slot.chunk_rows * slot.row_numel
+        q = slot.chunk_rows * slot.row_numel  # (outer is 1)
         slot.shard_offset, slot.full_offset = shard_offset, full_offset
         layout.groups.append(GroupLayout([index], shard_offset, q, full_offset))
         shard_offset = round_up(shard_offset + q, ALIGN)
@@ -178,7 +226,8 @@ def rows_layout(shapes: list[tuple[int, ...]], world_size: int, rank: int,
         for index in copied:
             slot = slots[index]
             slot.shard_offset, slot.full_offset = shard_offset, full_offset
-            shard_offset = round_up(shard_offset + slot.chunk_rows * slot.row_numel, ALIGN)
+            shard_offset = round_up(shard_offset + slot.outer * slot.chunk_rows * slot.row_numel,
+                                    ALIGN)
             full_offset = round_up(full_offset + slot.numel, ALIGN)
         layout.groups.append(GroupLayout(copied, start, shard_offset - start, None))
     layout.shard_numel, layout.full_numel = shard_offset, full_offset

@@ -16,6 +16,7 @@ from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
+from .placements import shard_dim
 from .registry import unit_of
 from .wire import ExactWire
 from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
@@ -42,20 +43,23 @@ def build_unit_buckets(members: list[nn.Module], config):
     direct_min_numel = (config.direct_min_numel or config.env.direct_min_numel
                         or DIRECT_MIN_NUMEL)
     return mesh, build_buckets(members, groups, layout, mesh, direct_min_numel,
-                               config.ignored_params)
+                               config.ignored_params, config.shard_placement_fn)
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
-                  direct_min_numel: int, ignored: set[int] = frozenset()) -> list[Bucket]:
+                  direct_min_numel: int, ignored: set[int] = frozenset(),
+                  shard_placement_fn=None) -> list[Bucket]:
     """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
     ids) by (dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`, rows
-    are DTensors on it)."""
+    are DTensors on it, each sharded along the dim `shard_placement_fn` gives: placements.py)."""
     slots = _owned_slots(modules, layout, ignored)
     by_key: dict[tuple, list[ParamSlot]] = {}
     for slot in slots:  # visit order: a module's own parameters, then its children's
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
         if extension:
             _check_extension_param(slot, modules[slot.member], layout, mesh)
+        if layout == "rows":
+            slot.dim = shard_dim(shard_placement_fn, slot, modules[slot.member], extension)
         by_key.setdefault((slot.param.dtype, slot.param.requires_grad, extension),
                           []).append(slot)
     for slot in slots:
@@ -67,11 +71,12 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         if layout == "flat":
             bucket_layout = flat_layout(shapes, world, rank)
         else:
-            bucket_layout = rows_layout(shapes, world, rank, direct_min_numel)
+            bucket_layout = rows_layout(shapes, world, rank, direct_min_numel,
+                                        [s.dim for s in bucket_slots])
         spec_of = None
         if layout == "rows" and mesh is not None:
             specs = [dtensor_params.spec_with_tp(mesh, s.tp_spec) if s.tp_spec is not None
-                     else dtensor_params.spec(mesh, s.shape, dtype) for s in bucket_slots]
+                     else dtensor_params.spec(mesh, s.shape, dtype, s.dim) for s in bucket_slots]
             spec_of = specs.__getitem__
         # The wire format, chosen here once (a CommPolicy may replace an exact one: wire.py)
         wire = SubclassWire() if extension else ExactWire()

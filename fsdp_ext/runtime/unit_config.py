@@ -27,6 +27,7 @@ class UnitConfig:
     offload: CPUOffloadPolicy | None = None
     comm_policy: CommPolicy | None = None  # its own; None: its root's (at the first forward)
     param_init_fn: object = None          # materialises meta modules at construction
+    shard_placement_fn: object = None     # param -> Shard(dim) | None (placements.py)
     ignored_params: frozenset = frozenset()  # ids of parameters never sharded
     check_finite_grads: bool = False
     direct_min_numel: int | None = None   # rows layout: None for the default split (layout.py)

@@ -180,8 +180,7 @@ def copy_out(bucket, full: torch.Tensor, targets_: list[torch.Tensor]) -> None:
         if not g.copied:
             continue
         offsets, outs = [], []
-        for index, rank, offset, count in bucket.layout.rank_major_pieces(g):
-            start = bucket.layout.param_range(index, rank)[0]
+        for index, rank, offset, count, start in bucket.layout.rank_major_pieces(g):
             outs.append(full.narrow(0, bucket.layout.slots[index].full_offset + start, count))
             offsets.append(offset)
         if outs and staging.dtype in ops.checks.FLOAT_DTYPES:

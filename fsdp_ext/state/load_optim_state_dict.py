@@ -59,17 +59,16 @@ def _local_value(key: str, value, info: ParamInfo, param: torch.Tensor):
 def _local_part(key: str, value, info: ParamInfo, param: torch.Tensor):
     if dtensor_params.is_dtensor(value):
         return value.clone()
-    start, end = local_param_range(info.bucket, info.index)
     where = f"optimizer state '{key}' of '{info.name}'"
     if isinstance(value, ShardedTensor):
         size = list(value.metadata().size)
         if size != [info.slot.numel]:
             raise ValueError(f"size mismatch for {where}: saved {size}, parameter has "
                              f"{info.slot.numel} elements")
-        return local_part_of(value, start, end, where).clone()
+        return local_part_of(value, *local_param_range(info.bucket, info.index), where).clone()
     # A full-form tensor of the parameter's shape is sharded; `step` and other scalars are not.
     if isinstance(value, torch.Tensor) and value.shape == info.slot.shape and key != "step":
-        return value.reshape(-1)[start:end].to(param.device).clone()
+        return info.bucket.layout.local_part(info.index, value).reshape(-1).to(param.device).clone()
     if (isinstance(value, torch.Tensor) and key != "step" and value.numel() > 1
             and value.numel() == info.slot.numel):  # the parameter's data, in another shape
         raise ValueError(f"size mismatch for {where}: saved {list(value.shape)}, parameter has "

@@ -61,7 +61,6 @@ def _local_part(bucket, index: int, value, key: str) -> torch.Tensor:
     """This rank's elements of `value` (full tensor, or flattened ShardedTensor of the flat
     layout) for parameter `index`, flattened."""
     slot = bucket.slots[index]
-    start, end = local_param_range(bucket, index)
     if slot.tp_spec is not None:
         raise ValueError(f"{key}: a tensor-parallel parameter loads from a DTensor state dict "
                          "(model.state_dict(), DCP) or torch's set_model_state_dict, not from "
@@ -72,14 +71,14 @@ def _local_part(bucket, index: int, value, key: str) -> torch.Tensor:
             raise ValueError(f"size mismatch for {key}: the sharded entry has global size "
                              f"{size}, the parameter has shape {list(slot.shape)} "
                              f"(flattened [{slot.numel}])")
-        return local_part_of(value, start, end, key)
+        return local_part_of(value, *local_param_range(bucket, index), key)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{key}: expected a tensor or ShardedTensor, got {type(value).__name__}")
     if value.shape != slot.shape:
         raise ValueError(f"size mismatch for {key}: copying a param with shape "
                          f"{list(value.shape)} from checkpoint, the shape in current model is "
                          f"{list(slot.shape)}")
-    return value.reshape(-1)[start:end]
+    return bucket.layout.local_part(index, value).reshape(-1)
 
 
 def _write_parts(bucket, parts: list) -> None:

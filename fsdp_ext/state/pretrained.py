@@ -155,10 +155,13 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
             for index, slot in enumerate(bucket.slots):
                 sharded.add(id(slot.param))
                 name = source(slot.param)
-                start, end = bucket.layout.param_range(index)
-                if name is None or end <= start:
+                if name is None or not bucket.shard_views[index].numel():
                     continue
-                values = _flat_range(files, name, slot.shape, start, end)
+                if bucket.layout.contiguous(index):  # only the rows covering this rank's range
+                    values = _flat_range(files, name, slot.shape,
+                                         *bucket.layout.param_range(index))
+                else:  # sharded along a later dim: a block of every outer index
+                    values = bucket.layout.local_part(index, files.whole(name)).reshape(-1)
                 bucket.shard_views[index].view(-1).copy_(values)
     for param in module.parameters():  # not sharded by fsdp_ext (ignored_params)
         if id(param) not in sharded and (name := source(param)) is not None:

@@ -114,10 +114,20 @@ def _write_own_ranges(fd: int, entries: list[Entry], data_start: int, rank: int)
         groups = e.info.unit.groups
         if groups.replicate is not None and dist.get_rank(groups.replicate) != 0:
             continue  # another replica holds the same bytes
-        start, end = local_param_range(e.info.bucket, e.info.index)
-        if end > start:  # a rank's part of a row-major tensor is one range: rows, or FSDP1's span
-            os.pwrite(fd, _as_bytes(e.info.bucket.shard_views[e.info.index]),
-                      data_start + e.begin + start * e.dtype.itemsize)
+        layout, index = e.info.bucket.layout, e.info.index
+        local = e.info.bucket.shard_views[index]
+        if not local.numel():
+            continue
+        if layout.contiguous(index):  # a rank's part of a row-major tensor is one range
+            start, _ = local_param_range(e.info.bucket, index)
+            os.pwrite(fd, _as_bytes(local), data_start + e.begin + start * e.dtype.itemsize)
+            continue
+        slot = layout.slots[index]  # Shard(d > 0): one range per index of the dims before d
+        block = slot.shape[slot.dim] * slot.row_numel
+        first = layout.rank * slot.chunk_rows * slot.row_numel
+        for o, piece in enumerate(local.reshape(slot.outer, -1)):
+            os.pwrite(fd, _as_bytes(piece),
+                      data_start + e.begin + (o * block + first) * e.dtype.itemsize)
 
 
 def export_safetensors(model: nn.Module, path, *, save_tied_once: bool = False,

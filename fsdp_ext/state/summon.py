@@ -113,12 +113,12 @@ def _install(unit, bucket, tensors, grads) -> None:
 
 def _write_back(bucket, tensors, grads) -> None:
     """Copy this rank's part of each (possibly edited) full parameter, and gradient, back."""
+    layout = bucket.layout
     for index, (slot, view) in enumerate(zip(bucket.slots, bucket.shard_views)):
-        start, end = bucket.layout.param_range(index)
         module, attr = slot.locations[0]
         full = module._parameters[attr] if bucket.distributed else tensors[index]
-        view.view(-1).copy_(full.reshape(-1)[start:end])
+        view.view(-1).copy_(layout.local_part(index, full).reshape(-1))
         if grads is not None and grads[index] is not None:
             grad = full.grad if bucket.distributed else slot.param.grad
             if grad is not None:
-                bucket.grad_views[index].view(-1).copy_(grad.reshape(-1)[start:end])
+                bucket.grad_views[index].view(-1).copy_(layout.local_part(index, grad).reshape(-1))

@@ -1,0 +1,152 @@
+"""shard_placement_fn's Shard(dim) placements (runtime/placements.py, runtime/layout.py), run with
+torch's fully_shard and fsdp_ext's on the same script (tests/placement_scripts.py): expert
+weights `[experts, in, out]` sharded along dim 1 (torchtitan's choice when experts < FSDP degree)
+and along the last dim, beside Shard(0) parameters of the same unit. Losses, gradients, trained
+parameters, placements and local shapes equal torch's; mixed precision, CPU offload,
+clip_grad_norm_, reshard_after_forward=k and state dicts both ways; uneven sizes (which torch
+refuses for dim > 0) against the unwrapped model; bad placements refused naming the parameter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fsdp_ext
+
+from . import placement_scripts as scripts
+from .dist_utils import run_checks, run_distributed
+
+FP32 = dict(atol=1e-6, rtol=1e-5)
+
+
+def _same(what, ours, theirs, **tol):
+    if isinstance(theirs, dict):
+        assert list(ours) == list(theirs), (what, list(ours), list(theirs))
+        for name, value in theirs.items():
+            _same(f"{what} '{name}'", ours[name], value, **tol)
+    elif isinstance(theirs, (list, tuple)) and not isinstance(theirs, torch.Size):
+        assert len(ours) == len(theirs), (what, len(ours), len(theirs))
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _same(f"{what}[{i}]", a, b, **tol)
+    elif isinstance(theirs, torch.Tensor):
+        torch.testing.assert_close(ours, theirs, **(tol or FP32), msg=lambda m: f"{what}: {m}")
+    else:
+        assert ours == theirs, (what, ours, theirs)
+
+
+def _against_torch(what, rank, world, **kwargs):
+    _same(what, scripts.train(fsdp_ext, rank, world, **kwargs),
+          scripts.train(torch_fsdp, rank, world, **kwargs))
+
+
+def check_dim_1(rank, world):
+    _against_torch("Shard(1) experts", rank, world)
+
+
+def check_last_dim_and_clip(rank, world):
+    _against_torch("Shard(-1) experts, clipped", rank, world, placement_fn=scripts.experts_on(-1),
+                   clip=0.05)
+
+
+def check_mixed_precision(rank, world):
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _against_torch("Shard(1) experts, bf16 compute", rank, world, mp_policy=mp)
+
+
+def check_offload(rank, world):
+    _against_torch("Shard(1) experts, CPU offload", rank, world,
+                   offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False))
+
+
+def check_state_dicts_both_ways(rank, world):
+    fn = scripts.experts_on(1)
+    got = scripts.state_dict_roundtrip(fsdp_ext, torch_fsdp, rank, world, fn)
+    expected = {k: v for k, v in scripts.build(seed=2).state_dict().items()}
+    _same("torch's state dict loaded by fsdp_ext", got["into_ours"], expected)
+    expected = {k: v for k, v in scripts.build(seed=4).state_dict().items()}
+    _same("fsdp_ext's state dict loaded by torch", got["into_theirs"], expected)
+
+
+def check_uneven_against_the_unwrapped_model(rank, world):
+    """6 rows over 4 ranks along dim 1 (2, 2, 2, 0): torch's fully_shard refuses uneven sharding
+    on dim > 0; fsdp_ext pads the chunks as along dim 0."""
+    sizes = dict(dim=6)
+    ours = scripts.train(fsdp_ext, rank, world, sizes=sizes)
+    _same("uneven Shard(1) vs unwrapped", ours["params"], scripts.unwrapped(world, **sizes),
+          atol=1e-5, rtol=1e-4)
+
+
+def check_reshard_after_forward_k(rank, world):
+    """reshard_after_forward=2 (backward regathers from 2 ranks' post-forward chunks, each a
+    rank-major block of outer blocks): against the unwrapped model, since torch 2.14's fully_shard
+    fails on this script (an IndexError in its post-forward mesh sizes for Shard(1))."""
+    ours = scripts.train(fsdp_ext, rank, world, reshard_after_forward=2)
+    _same("Shard(1) experts, reshard_after_forward=2 vs unwrapped", ours["params"],
+          scripts.unwrapped(world), atol=1e-5, rtol=1e-4)
+
+
+def check_bad_placements(rank, world):
+    model = scripts.build()
+    block = model.blocks[0]
+    with pytest.raises(ValueError, match=r"parameter 'experts.w1'.*Shard\(3\), out of range"):
+        fsdp_ext.fully_shard(block, shard_placement_fn=scripts.experts_on(3))
+    with pytest.raises(NotImplementedError, match=r"parameter 'experts.w1'.*_StridedShard"):
+        fsdp_ext.fully_shard(block, shard_placement_fn=lambda p: _StridedShard(1, split_factor=2)
+                             if p.dim() == 3 else None)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    with pytest.raises(NotImplementedError, match=r"'experts.w1'.*ShardPlacementResult"):
+        fsdp_ext.fully_shard(block, shard_placement_fn=lambda p: ShardPlacementResult(Shard(1), None)
+                             if p.dim() == 3 else None)
+    assert not isinstance(block, fsdp_ext.FSDPModule)  # refused before anything changed
+
+
+def check_state_paths(rank, world, directory):
+    """fsdp_ext's own state paths on Shard(1) experts: full_state_dict, load_full_state_dict,
+    summon_full_params with writeback, export_safetensors + load_pretrained (each rank writes one
+    range per expert), a DCP checkpoint saved by fsdp_ext and loaded by torch's fully_shard."""
+    import torch.distributed.checkpoint as dcp
+    fn = scripts.experts_on(1)
+    reference = scripts.build(seed=5).state_dict()
+    model = scripts.shard(fsdp_ext, scripts.build(seed=6), fn)
+    fsdp_ext.load_full_state_dict(model, reference)
+    _same("full_state_dict after load_full_state_dict", fsdp_ext.full_state_dict(model), reference)
+    with fsdp_ext.summon_full_params(model), torch.no_grad():
+        model.blocks[1].experts.w2.mul_(2.0)
+    reference["blocks.1.experts.w2"] = reference["blocks.1.experts.w2"] * 2.0
+    _same("summon_full_params writeback", fsdp_ext.full_state_dict(model), reference)
+    path = f"{directory}/model.safetensors"
+    fsdp_ext.export_safetensors(model, path)
+    other = scripts.shard(fsdp_ext, scripts.build(seed=7), fn)
+    fsdp_ext.load_pretrained(other, path)
+    _same("export_safetensors + load_pretrained", fsdp_ext.full_state_dict(other), reference)
+    dcp.save(model.state_dict(), checkpoint_id=f"{directory}/dcp")
+    theirs = scripts.shard(torch_fsdp, scripts.build(seed=8), fn)
+    state = theirs.state_dict()
+    dcp.load(state, checkpoint_id=f"{directory}/dcp")
+    theirs.load_state_dict(state)
+    _same("DCP saved by fsdp_ext, loaded by torch",
+          {k: v.full_tensor() for k, v in theirs.state_dict().items()}, reference)
+
+
+def _world_2(rank, world, directory):
+    def check_state_paths_here(rank, world):
+        check_state_paths(rank, world, directory)
+    run_checks([check_dim_1, check_last_dim_and_clip, check_state_dicts_both_ways,
+                check_state_paths_here, check_bad_placements], rank, world)
+
+
+def _world_4(rank, world):
+    run_checks([check_dim_1, check_last_dim_and_clip, check_mixed_precision, check_offload,
+                check_state_dicts_both_ways, check_uneven_against_the_unwrapped_model,
+                check_reshard_after_forward_k], rank, world)
+
+
+def test_shard_dim_placements_match_torch_world_2(tmp_path):
+    run_distributed(_world_2, 2, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_shard_dim_placements_match_torch_world_4():
+    run_distributed(_world_4, 4, timeout_s=300)
