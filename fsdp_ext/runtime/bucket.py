@@ -49,7 +49,6 @@ class ParamSlot:
     replaced: object = lambda: None            # weak reference to what `param` replaced, if any
     tp_spec: object = None                     # a tensor-parallel DTensor's spec (its TP mesh)
     member: int = 0                            # which of the unit's modules holds it (lists)
-    dim: int = 0                               # rows layout: its shard dim (Shard(dim))
     shard_view: torch.Tensor | None = None     # its part of the shard (a subclass: its chunk)
     grad_view: torch.Tensor | None = None      # its part of the gradient shard
     grad_face: torch.Tensor | None = None      # what `.grad` holds: grad_view, or a DTensor of it

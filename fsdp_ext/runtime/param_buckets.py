@@ -54,12 +54,13 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
     are DTensors on it, each sharded along the dim `shard_placement_fn` gives: placements.py)."""
     slots = _owned_slots(modules, layout, ignored)
     by_key: dict[tuple, list[ParamSlot]] = {}
+    dims: dict[int, int] = {}  # id(slot) -> its shard dim (rows layout)
     for slot in slots:  # visit order: a module's own parameters, then its children's
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
         if extension:
             _check_extension_param(slot, modules[slot.member], layout, mesh)
         if layout == "rows":
-            slot.dim = shard_dim(shard_placement_fn, slot, modules[slot.member], extension)
+            dims[id(slot)] = shard_dim(shard_placement_fn, slot, modules[slot.member], extension)
         by_key.setdefault((slot.param.dtype, slot.param.requires_grad, extension),
                           []).append(slot)
     for slot in slots:
@@ -72,11 +73,12 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
             bucket_layout = flat_layout(shapes, world, rank)
         else:
             bucket_layout = rows_layout(shapes, world, rank, direct_min_numel,
-                                        [s.dim for s in bucket_slots])
+                                        [dims[id(s)] for s in bucket_slots])
         spec_of = None
         if layout == "rows" and mesh is not None:
             specs = [dtensor_params.spec_with_tp(mesh, s.tp_spec) if s.tp_spec is not None
-                     else dtensor_params.spec(mesh, s.shape, dtype, s.dim) for s in bucket_slots]
+                     else dtensor_params.spec(mesh, s.shape, dtype, dims[id(s)])
+                     for s in bucket_slots]
             spec_of = specs.__getitem__
         # The wire format, chosen here once (a CommPolicy may replace an exact one: wire.py)
         wire = SubclassWire() if extension else ExactWire()
