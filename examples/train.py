@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train.py            # CPU: gloo, a few minutes
     torchrun --standalone --nproc-per-node 8 examples/train.py --mixed-precision bf16   # GPUs: NCCL
+    torchrun --standalone --nproc-per-node 2 examples/train.py --model moe   # the MoE decoder
 
 With GPUs present each rank uses its local GPU and NCCL; otherwise the CPU and gloo. The script is
 the same on one node or many (see docs/training.md and docs/api.md, "Several GPUs, several nodes"). Only rank 0 prints.
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # corpus, models, report; fsdp_ext from this checkout
 import corpus  # noqa: E402
 import report  # noqa: E402
 from models import GPT, Block, GPTConfig  # noqa: E402
+from moe import MoEConfig, MoEDecoder  # noqa: E402
 
 import fsdp_ext  # noqa: E402
 from fsdp_ext.runtime.trace import recording  # noqa: E402
@@ -43,6 +46,14 @@ class _DefaultsHelp(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsHelp)
+    p.add_argument("--model", choices=["gpt", "moe"], default="gpt",
+                   help="moe: examples/moe.py's decoder (the first block dense, the others "
+                        "mixtures of --experts experts, top-2), sharded as torchtitan's "
+                        "apply_fsdp_to_decoder shards it")
+    p.add_argument("--experts", type=int, default=8,
+                   help="--model moe: routed experts per MoE block; fewer than the ranks that "
+                        "shard them asks for Shard(1) expert weights, not yet supported by "
+                        "fsdp_ext")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks, one unit each")
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -119,9 +130,12 @@ def comm_policy(text: str):
                                grad_reduce=grads or None)
 
 
-def shard(model: GPT, args, device: torch.device):
-    """Each transformer block is a unit, the root holds the embeddings (tied to the output layer)."""
+def shard(model: GPT | MoEDecoder, args, device: torch.device):
+    """Each transformer block is a unit, the root holds the embeddings (tied to the output layer);
+    the MoE decoder's units are those of torchtitan's apply_fsdp_to_decoder (shard_moe)."""
     bf16 = args.mixed_precision == "bf16"
+    if args.model == "moe" and args.api != "fully_shard":
+        raise SystemExit("--model moe runs with --api fully_shard (torchtitan's FSDP2 calls)")
     policy = comm_policy(args.comm_policy)
     strategy = args.sharding_strategy
     if args.api == "fsdp1":
@@ -146,8 +160,48 @@ def shard(model: GPT, args, device: torch.device):
         kwargs["mesh"] = init_device_mesh(device.type, (dist.get_world_size() // local, local),
                                           mesh_dim_names=("replicate", "shard"))
     model.to(device)
+    if args.model == "moe":
+        return shard_moe(model, args, kwargs)
     for block in model.blocks:
         fsdp_ext.fully_shard(block, reshard_after_forward=strategy != "SHARD_GRAD_OP", **kwargs)
+    return fsdp_ext.fully_shard(model, **kwargs)
+
+
+def shard_moe(model: MoEDecoder, args, kwargs: dict) -> MoEDecoder:
+    """fully_shard as torchtitan 0.3.0's apply_fsdp_to_decoder applies it at EP=1 (one mesh, no
+    expert parallelism): the embedding, [norm, lm_head] as one unit kept gathered after forward,
+    each block, the root. An MoE block whose experts are fewer than the ranks sharding them gets
+    its routed experts' weights ([num_experts, in, out]) sharded along dim 1 (Shard(1)), so that
+    no rank holds padding alone; otherwise every parameter along dim 0. fsdp_ext shards along
+    dim 0 only for now: a run that needs Shard(1) stops with a message saying so. (torchtitan then
+    sets each unit's gradient divide factor to 1.0 and divides the loss by the global token count
+    itself; this script keeps the default mean over ranks, the same gradients.)"""
+    strategy = args.sharding_strategy
+    reshard = strategy != "SHARD_GRAD_OP"
+    if strategy == "NO_SHARD":
+        shard_ranks = 1
+    elif strategy == "HYBRID_SHARD":
+        shard_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        shard_ranks = dist.get_world_size()
+    fsdp_ext.fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
+    fsdp_ext.fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
+    for block in model.layers.values():
+        experts = block.moe.routed_experts.inner_experts if block.moe_enabled else None
+        if experts is None or shard_ranks <= experts.num_experts:
+            fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs)
+            continue
+        expert_params = set(experts.parameters())
+        try:
+            fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs,
+                                 shard_placement_fn=lambda p: Shard(1) if p in expert_params
+                                 else None)
+        except NotImplementedError as exc:
+            raise SystemExit(
+                f"--model moe: {experts.num_experts} experts per block, sharded by {shard_ranks} "
+                f"ranks: torchtitan's apply_fsdp_to_decoder shards such experts along dim 1 "
+                f"(Shard(1)), which fsdp_ext does not support yet; pass --experts "
+                f"{shard_ranks} or more meanwhile.\n({exc})") from exc
     return fsdp_ext.fully_shard(model, **kwargs)
 
 
@@ -219,14 +273,30 @@ def evaluate(model, data, args, device, batches: int = 4) -> float:
     return loss.item() / dist.get_world_size()
 
 
+def build_model(args) -> GPT | MoEDecoder:
+    """--model gpt: models.py's GPT; moe: moe.py's decoder, its first block dense, the others MoE
+    blocks of --experts experts with expert hidden width 3/2 d_model (the same weights per seed)."""
+    if args.model == "moe":
+        cfg = MoEConfig(block_size=args.block_size, dim=args.d_model, n_heads=args.n_head,
+                        layer_experts=(0,) + (args.experts,) * (args.n_layer - 1),
+                        hidden_dim=3 * args.d_model // 2, dense_hidden_dim=4 * args.d_model)
+        return MoEDecoder(cfg, seed=args.seed)
+    return GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                         d_model=args.d_model))
+
+
+def model_label(args) -> str:
+    if args.model == "moe":
+        return f"MoE ({args.experts} experts, top-2)"
+    return "GPT"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                    d_model=args.d_model)
-    model, start = GPT(cfg), 0
+    model, start = build_model(args), 0
     n_params = model.num_params()
     model = shard(model, args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
@@ -247,8 +317,8 @@ def main(argv=None) -> None:
             print(text)
         return dist.destroy_process_group()
     if rank == 0:
-        print(f"GPT {n_params / 1e6:.2f}M parameters, {args.n_layer} layers, d_model "
-              f"{args.d_model}; {world} ranks on {device.type} ({dist.get_backend()}), "
+        print(f"{model_label(args)} {n_params / 1e6:.2f}M parameters, {args.n_layer} layers, "
+              f"d_model {args.d_model}; {world} ranks on {device.type} ({dist.get_backend()}), "
               f"{args.api}/{args.sharding_strategy}, precision {args.mixed_precision}; "
               f"corpus {len(train):,} bytes")
     bar = report.progress_bar(args.steps, start, enabled=rank == 0)
@@ -327,7 +397,7 @@ def _finish_profiler(profiler, events, out_dir: str, args, step: int) -> None:
     per_rank = timeline.gather_to_rank0(timeline.last_step(events))
     if rank == 0:
         title = (f"fsdp_ext timeline of one step (step {step} of {args.steps}, profiled): "
-                 f"GPT {args.n_layer} layers d_model {args.d_model}, "
+                 f"{model_label(args)} {args.n_layer} layers d_model {args.d_model}, "
                  f"{dist.get_world_size()} ranks, {args.api}/{args.sharding_strategy}, "
                  f"prefetch depth {args.prefetch_depth}, "
                  f"{'bf16' if args.mixed_precision == 'bf16' else 'fp32'}")

@@ -1,0 +1,181 @@
+"""The MoE example (examples/moe.py) trained through torchtitan 0.3.0's `apply_fsdp_to_decoder`,
+with any `fully_shard` implementation, beside the same training of the unwrapped model in one
+process (the reference).
+
+    sharded = train_sharded("torch", world_size=4)      # or "fsdp_ext": the one argument
+    reference = train_reference(world_size=4)
+    compare(sharded, reference)                          # None, or what differs
+
+`train_sharded` launches `world_size` gloo ranks; each builds the model from the same seed, calls
+`apply_fsdp_to_decoder(model, dp_mesh, ...)` with EP=1 (a 1-D `dp_mesh`, no expert mesh) after
+pointing the `fully_shard` name that torchtitan's module calls at the chosen implementation, and
+trains STEPS AdamW steps on its slice of each global batch. torchtitan sets every FSDPModule's
+gradient divide factor to 1.0 (it scales the loss itself); each rank's loss is therefore divided
+by the world size here, so the summed gradients are the mean over ranks, and reductions are forced
+to plain sums (torch's FSDP2 would use PREMUL_SUM for a factor, which gloo lacks). The reference
+takes the same steps on the whole batch, one rank's slice at a time, each slice's loss divided by
+the world size, its gradients accumulated: the same sum the reduce-scatter forms, in another order.
+
+CFG's experts are chosen so that both placements occur: layer 1 has 4 experts, layer 2 has 3;
+torchtitan shards the routed experts `Shard(1)` when the FSDP degree exceeds their number, so at
+world 2 every parameter is `Shard(0)` (3 experts in chunks of 2 and 1), at world 4 layer 2's
+experts are `Shard(1)` and layer 1's `Shard(0)`. Dims 1 divide by 4 (64, 96): torch's FSDP2 refuses
+uneven sharding on any dim but 0 ("FSDP does not support uneven sharding on dim 1"); dims 0 need
+not (vocabulary 67, block size 16: the embedding and lm_head in uneven chunks).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from moe import MoEConfig, MoEDecoder
+
+from .dist_utils import run_distributed
+
+CFG = MoEConfig(vocab_size=67, block_size=16, dim=64, n_heads=4, layer_experts=(0, 4, 3),
+                top_k=2, hidden_dim=96, dense_hidden_dim=128)
+STEPS, GLOBAL_BATCH, SEED, LR = 4, 8, 0, 1e-2
+
+
+def fully_shard_impl(impl: str):
+    """The `fully_shard` to put into torchtitan's module: "torch" or "fsdp_ext"."""
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard
+    if impl == "fsdp_ext":
+        import fsdp_ext
+        return fsdp_ext.fully_shard
+    raise ValueError(f"unknown fully_shard implementation {impl!r}: 'torch' or 'fsdp_ext'")
+
+
+def batch(step: int, rank: int, world_size: int, cfg: MoEConfig = CFG):
+    """Rank `rank`'s slice of step `step`'s global batch (the same global batch at any world):
+    sequences from random starts, each token mostly (5 * previous + 3) mod vocab_size, a little
+    noise, so that a few steps lower the loss."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.block_size + 1), generator=g)
+    keep = torch.rand(tokens.shape, generator=g) < 0.1
+    for t in range(1, tokens.shape[1]):
+        follow = (5 * tokens[:, t - 1] + 3) % cfg.vocab_size
+        tokens[:, t] = torch.where(keep[:, t], tokens[:, t], follow)
+    per_rank = GLOBAL_BATCH // world_size
+    mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def shard_with_torchtitan(model: MoEDecoder, impl: str, world_size: int) -> MoEDecoder:
+    """torchtitan's `apply_fsdp_to_decoder` at EP=1 with `impl`'s fully_shard; sum reductions."""
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    original = tt_fsdp.fully_shard
+    tt_fsdp.fully_shard = fully_shard_impl(impl)
+    try:
+        tt_fsdp.apply_fsdp_to_decoder(model, dp_mesh, param_dtype=torch.float32,
+                                      reduce_dtype=torch.float32, pp_enabled=False)
+    finally:
+        tt_fsdp.fully_shard = original
+    for module in model.modules():
+        if isinstance(module, tt_fsdp.FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _full(tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
+
+
+def _placement(param) -> str:
+    """"Shard(d)" for a parameter sharded on one mesh dim, else what it is."""
+    placements = getattr(param, "placements", None)
+    if placements is None:
+        return "not a DTensor"
+    return ", ".join(f"Shard({p.dim})" if p.is_shard() else str(p) for p in placements)
+
+
+def _worker(rank: int, world_size: int, impl: str, cfg: MoEConfig, steps: int, out: str) -> None:
+    model = shard_with_torchtitan(MoEDecoder(cfg, seed=SEED), impl, world_size)
+    placements = {name: _placement(p) for name, p in model.named_parameters()}
+    units = sum(1 for m in model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule))
+    optimizer = _optimizer(model)
+    losses, grads = [], []
+    for step in range(steps):
+        x, y = batch(step, rank, world_size, cfg)
+        loss = model(x, y) / world_size
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+        grads.append({name: _full(p.grad) for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    params = {name: _full(p) for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(dict(losses=losses, grads=grads, params=params, placements=placements,
+                        units=units), out)
+
+
+def train_sharded(impl: str, world_size: int, cfg: MoEConfig = CFG, steps: int = STEPS) -> dict:
+    """`steps` AdamW steps of the model sharded by `apply_fsdp_to_decoder` with `impl`'s fully_shard
+    ("torch" or "fsdp_ext") on `world_size` gloo ranks. Returns {"losses": [global loss per step],
+    "grads": [{name: full gradient} per step], "params": {name: full trained parameter},
+    "placements": {name: "Shard(d)"}, "units": FSDPModules on rank 0}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        run_distributed(_worker, world_size, impl, cfg, steps, out)
+        return torch.load(out)
+
+
+def train_reference(world_size: int, cfg: MoEConfig = CFG, steps: int = STEPS) -> dict:
+    """The same training unwrapped, in this process: losses, grads and params as train_sharded's."""
+    model = MoEDecoder(cfg, seed=SEED)
+    optimizer = _optimizer(model)
+    losses, grads = [], []
+    for step in range(steps):
+        total = 0.0
+        for rank in range(world_size):
+            x, y = batch(step, rank, world_size, cfg)
+            loss = model(x, y) / world_size
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return dict(losses=losses, grads=grads,
+                params={name: p.detach().clone() for name, p in model.named_parameters()})
+
+
+def compare(got: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-6,
+            param_atol: float = 1e-3 * LR * STEPS) -> str | None:
+    """None when the losses and every step's gradients agree within fp32 round-off (`rtol`,
+    `atol`) and the trained parameters within `param_atol` (a thousandth of the learning rate
+    summed over the steps: AdamW divides each gradient by its own running RMS, so round-off in a
+    gradient near zero moves that element's update by more than round-off, and the steps after
+    carry it); else the first difference found."""
+    if len(got["losses"]) != len(expected["losses"]):
+        return f"{len(got['losses'])} steps, expected {len(expected['losses'])}"
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+        if abs(a - b) > atol + rtol * abs(b):
+            return f"step {step}: loss {a!r}, expected {b!r}"
+    checks = [(f"step {s} grad", g, e, atol) for s, (g, e) in enumerate(zip(got["grads"],
+                                                                            expected["grads"]))]
+    for what, g, e, tol in checks + [("trained", got["params"], expected["params"], param_atol)]:
+        if sorted(g) != sorted(e):
+            return f"{what}: parameter names differ: {sorted(set(g) ^ set(e))}"
+        for name in e:
+            if g[name].shape != e[name].shape:
+                return (f"{what} {name}: shape {tuple(g[name].shape)}, "
+                        f"expected {tuple(e[name].shape)}")
+            if not torch.allclose(g[name], e[name], rtol=rtol, atol=tol):
+                diff = (g[name] - e[name]).abs().max().item()
+                return f"{what} {name}: max abs difference {diff:.3g}"
+    return None
