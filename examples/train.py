@@ -52,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "apply_fsdp_to_decoder shards it")
     p.add_argument("--experts", type=int, default=8,
                    help="--model moe: routed experts per MoE block; fewer than the ranks that "
-                        "shard them asks for Shard(1) expert weights, not yet supported by "
-                        "fsdp_ext")
+                        "shard them: the expert weights are sharded along dim 1 (Shard(1))")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks, one unit each")
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -172,8 +171,7 @@ def shard_moe(model: MoEDecoder, args, kwargs: dict) -> MoEDecoder:
     expert parallelism): the embedding, [norm, lm_head] as one unit kept gathered after forward,
     each block, the root. An MoE block whose experts are fewer than the ranks sharding them gets
     its routed experts' weights ([num_experts, in, out]) sharded along dim 1 (Shard(1)), so that
-    no rank holds padding alone; otherwise every parameter along dim 0. fsdp_ext shards along
-    dim 0 only for now: a run that needs Shard(1) stops with a message saying so. (torchtitan then
+    no rank holds padding alone; otherwise every parameter along dim 0. (torchtitan then
     sets each unit's gradient divide factor to 1.0 and divides the loss by the global token count
     itself; this script keeps the default mean over ranks, the same gradients.)"""
     strategy = args.sharding_strategy
@@ -192,16 +190,8 @@ def shard_moe(model: MoEDecoder, args, kwargs: dict) -> MoEDecoder:
             fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs)
             continue
         expert_params = set(experts.parameters())
-        try:
-            fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs,
-                                 shard_placement_fn=lambda p: Shard(1) if p in expert_params
-                                 else None)
-        except NotImplementedError as exc:
-            raise SystemExit(
-                f"--model moe: {experts.num_experts} experts per block, sharded by {shard_ranks} "
-                f"ranks: torchtitan's apply_fsdp_to_decoder shards such experts along dim 1 "
-                f"(Shard(1)), which fsdp_ext does not support yet; pass --experts "
-                f"{shard_ranks} or more meanwhile.\n({exc})") from exc
+        fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs,
+                             shard_placement_fn=lambda p: Shard(1) if p in expert_params else None)
     return fsdp_ext.fully_shard(model, **kwargs)
 
 

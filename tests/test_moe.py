@@ -2,9 +2,8 @@
 (tests/moe_scripts.py): with torch's FSDP2 its losses, every step's gradients and the trained
 parameters equal the unwrapped model's within fp32 round-off, at world 2 (every parameter
 `Shard(0)`) and world 4 (layer 2's 3 experts `Shard(1)`, layer 1's 4 experts `Shard(0)`). The
-same with fsdp_ext's `fully_shard` swapped in: at world 2 now; at world 4 once fsdp_ext accepts
-`Shard(1)` (today its `fully_shard` refuses the placement with a NotImplementedError naming the
-parameter)."""
+same with fsdp_ext's `fully_shard` swapped in, whose losses and trained parameters also equal
+torch's on the same script."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +54,7 @@ def test_fsdp_ext_through_torchtitan_matches_unwrapped_world2():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="Shard(1) placements not yet supported")
-def test_fsdp_ext_through_torchtitan_matches_unwrapped_world4():
-    _check_against_reference("fsdp_ext", 4, {"1": "Shard(0)", "2": "Shard(1)"})
+def test_fsdp_ext_through_torchtitan_matches_unwrapped_and_torch_world4():
+    ours = _check_against_reference("fsdp_ext", 4, {"1": "Shard(0)", "2": "Shard(1)"})
+    theirs = moe_scripts.train_sharded("torch", 4)
+    assert moe_scripts.compare(ours, theirs) is None
