@@ -62,12 +62,13 @@ class Bucket:
     """Sharded, gathered and gradient storage of one (dtype, requires_grad) group of a unit."""
 
     def __init__(self, dtype: torch.dtype, requires_grad: bool, slots: list[ParamSlot],
-                 layout: BucketLayout, wire, spec_of=None):
+                 layout: BucketLayout, wire, groups, spec_of=None):
         self.dtype = dtype
         self.requires_grad = requires_grad
         self.slots = slots
         self.layout = layout
         self.wire = wire                 # chosen by param_buckets.py; a CommPolicy may replace it
+        self.groups = groups             # who its collectives talk to: its unit's, or its mesh's
         self.spec_of = spec_of           # rows layout: index -> DTensorSpec of the parameter
         self.shard: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None

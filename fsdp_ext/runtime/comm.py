@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .. import ops
 from . import streams
 from .errors import CollectiveError
+from .groups import Groups  # noqa: F401  (comm.Groups: who a unit talks to)
 
 if ops.HAVE_EXTENSION:
     from .. import _C
@@ -55,52 +56,6 @@ def collective_timeout(seconds: float | datetime.timedelta | None = None,
 def wait_work(work, timeout: datetime.timedelta | None) -> None:
     """work.wait(), bounded by `timeout` (gloo raises "Operation timed out!" when it expires)."""
     work.wait() if timeout is None else work.wait(timeout)
-
-
-@dataclass
-class Groups:
-    """Who a unit shards over and who it replicates over.
-
-    shard: ranks that each hold 1/shard_size of the unit (None: one rank, nothing to gather).
-    replicate: ranks holding the same shard; gradients are all-reduced over them (HSDP, NO_SHARD).
-    post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward.
-    """
-
-    device: torch.device
-    shard: dist.ProcessGroup | None = None
-    replicate: dist.ProcessGroup | None = None
-    post_forward: dist.ProcessGroup | None = None
-    post_forward_size: int = 1
-    # set_separate_reduce_scatter_group: a second group over the shard ranks for the gradient
-    # reductions, so they do not queue behind all-gathers on one communicator
-    separate_reduce_scatter: dist.ProcessGroup | None = None
-    # No process group existed and no launcher started this process: one process, nothing sharded
-    # (api/default_group.py). Said by describe() and at the root's first forward.
-    single_process: bool = False
-
-    @property
-    def reduce_scatter(self) -> dist.ProcessGroup | None:
-        return self.separate_reduce_scatter or self.shard
-
-    @property
-    def shard_size(self) -> int:
-        return dist.get_world_size(self.shard) if self.shard is not None else 1
-
-    @property
-    def shard_rank(self) -> int:
-        return dist.get_rank(self.shard) if self.shard is not None else 0
-
-    @property
-    def replicate_size(self) -> int:
-        return dist.get_world_size(self.replicate) if self.replicate is not None else 1
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.shard_size * self.replicate_size
-
-    @property
-    def post_forward_rank(self) -> int:
-        return dist.get_rank(self.post_forward) if self.post_forward is not None else 0
 
 
 def issue_all_gather(fulls: list[torch.Tensor], sources: list[torch.Tensor], slot: int,

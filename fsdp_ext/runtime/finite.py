@@ -31,7 +31,7 @@ def raise_if_nonfinite(unit, bucket, flags: torch.Tensor) -> None:
     table[rank] = flags
     # Rows are disjoint per rank, so summing over the shard group and then over the replicas
     # (HSDP) gives every rank the whole table.
-    for group in (unit.groups.shard, unit.groups.replicate):
+    for group in (bucket.groups.shard, bucket.groups.replicate):
         if group is not None:
             dist.all_reduce(table, group=group)
     if not bool(table.any()):

@@ -44,6 +44,17 @@ class InFlightGather:
             _finish_all(self.buckets, to_finish, self.name)
 
 
+class InFlightGathers:
+    """A unit's all-gathers over several meshes (placements.py), finished as one."""
+
+    def __init__(self, parts: list[InFlightGather]):
+        self.parts, self.kind = parts, parts[0].kind
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+
 def start(buckets: list[Bucket], chunks, group, slot: int, world: int, streams_: comm.Streams, *,
           offload: bool, label: str, name: str, tags, after_event=None) -> InFlightGather:
     """Gather every bucket into its gathered buffer: this rank's shard, or its post-forward

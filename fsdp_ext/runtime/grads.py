@@ -53,7 +53,7 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
 
 def reduce_bucket(unit, bucket: Bucket, grads) -> None:
     """Handle the gradients of `bucket` (one of `unit`'s) from one backward use of `unit`."""
-    groups = unit.groups
+    groups = bucket.groups  # its unit's, or its own mesh's (placements.py)
     bucket.grads.note_used([g is not None for g in grads])
     # What goes on the wire is the bucket's wire format's (a CommPolicy may reduce in bf16).
     reduce_dtype = bucket.wire.reduce_dtype(unit.mp.reduce_dtype or bucket.full.dtype)

@@ -16,7 +16,7 @@ from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .placements import shard_dim
+from .placements import resolve
 from .registry import unit_of
 from .wire import ExactWire
 from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
@@ -42,32 +42,50 @@ def build_unit_buckets(members: list[nn.Module], config):
                                         groups.device) if layout == "rows" else None)
     direct_min_numel = (config.direct_min_numel or config.env.direct_min_numel
                         or DIRECT_MIN_NUMEL)
-    return mesh, build_buckets(members, groups, layout, mesh, direct_min_numel,
-                               config.ignored_params, config.shard_placement_fn)
+    buckets = build_buckets(members, groups, layout, mesh, direct_min_numel,
+                            config.ignored_params, config.shard_placement_fn)
+    own = [b for b in buckets if b.groups is not groups]
+    if own and (config.offload is not None or groups.post_forward_size > 1):
+        what = "CPU offload" if config.offload is not None else "reshard_after_forward=int"
+        raise NotImplementedError(
+            f"fully_shard({type(members[0]).__name__}): parameter '{own[0].slots[0].fqn}' is "
+            f"sharded over a mesh of its own (shard_placement_fn), which {what} does not support "
+            "yet; shard this module without it, or on the unit's mesh")
+    return mesh, buckets
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
                   direct_min_numel: int, ignored: set[int] = frozenset(),
                   shard_placement_fn=None) -> list[Bucket]:
     """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
-    ids) by (dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`, rows
-    are DTensors on it, each sharded along the dim `shard_placement_fn` gives: placements.py)."""
+    ids) by (mesh, dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`,
+    rows are DTensors on it, each sharded along the dim, and over the mesh, that
+    `shard_placement_fn` gives: placements.py; a bucket on a mesh of its own talks to that
+    mesh's groups)."""
     slots = _owned_slots(modules, layout, ignored)
     by_key: dict[tuple, list[ParamSlot]] = {}
     dims: dict[int, int] = {}  # id(slot) -> its shard dim (rows layout)
+    meshes: dict[object, object] = {}  # a parameter's own mesh (equal meshes: one key) -> itself
     for slot in slots:  # visit order: a module's own parameters, then its children's
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
         if extension:
             _check_extension_param(slot, modules[slot.member], layout, mesh)
+        own = None
         if layout == "rows":
-            dims[id(slot)] = shard_dim(shard_placement_fn, slot, modules[slot.member], extension)
-        by_key.setdefault((slot.param.dtype, slot.param.requires_grad, extension),
-                          []).append(slot)
+            dims[id(slot)], own = resolve(shard_placement_fn, slot, modules[slot.member],
+                                          extension, mesh)
+        if own is not None:
+            own = meshes.setdefault(own, own)
+        by_key.setdefault((own, slot.param.dtype,
+                           slot.param.requires_grad, extension), []).append(slot)
     for slot in slots:
         mark_owner(slot.param, f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
     buckets = []
-    world, rank = groups.shard_size, groups.shard_rank
-    for (dtype, requires_grad, extension), bucket_slots in by_key.items():
+    bucket_groups = {key: comm.Groups.of_mesh(m, groups.device) for key, m in meshes.items()}
+    for (mesh_key, dtype, requires_grad, extension), bucket_slots in by_key.items():
+        on = bucket_groups.get(mesh_key, groups)
+        bucket_mesh = meshes.get(mesh_key, mesh)
+        world, rank = on.shard_size, on.shard_rank
         shapes = [tuple(s.shape) for s in bucket_slots]
         if layout == "flat":
             bucket_layout = flat_layout(shapes, world, rank)
@@ -75,14 +93,15 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
             bucket_layout = rows_layout(shapes, world, rank, direct_min_numel,
                                         [dims[id(s)] for s in bucket_slots])
         spec_of = None
-        if layout == "rows" and mesh is not None:
-            specs = [dtensor_params.spec_with_tp(mesh, s.tp_spec) if s.tp_spec is not None
-                     else dtensor_params.spec(mesh, s.shape, dtype, dims[id(s)])
+        if layout == "rows" and bucket_mesh is not None:
+            specs = [dtensor_params.spec_with_tp(bucket_mesh, s.tp_spec) if s.tp_spec is not None
+                     else dtensor_params.spec(bucket_mesh, s.shape, dtype, dims[id(s)])
                      for s in bucket_slots]
             spec_of = specs.__getitem__
         # The wire format, chosen here once (a CommPolicy may replace an exact one: wire.py)
         wire = SubclassWire() if extension else ExactWire()
-        buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, wire, spec_of))
+        buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, wire, on,
+                              spec_of))
     return buckets
 
 

@@ -1,28 +1,68 @@
-"""Where a parameter is sharded: fully_shard's `shard_placement_fn(param)` read as torch's
-fully_shard reads it. `None` (and no function) is Shard(0); `Shard(dim)` any dim of the parameter
-(a negative one counted from the end). A parameter sharded along a later dim keeps torch.chunk's
-chunks along that dim, uneven sizes padded in the shard (layout.py).
+"""Where a parameter is sharded, and over which mesh: fully_shard's `shard_placement_fn(param)`
+read as torch's fully_shard reads it.
 
-Refused at the call, naming the parameter: a dim out of range; another placement type; a
-per-parameter mesh (torch 2.14's ShardPlacementResult with a mesh of its own), which fsdp_ext
-does not shard over yet; Shard(dim > 0) for a tensor-parallel or tensor-subclass parameter.
+    None (and no function)           Shard(0) over the unit's mesh
+    Shard(dim)                       any dim of the parameter (negative: from the end), over the
+                                     unit's mesh; torch.chunk's chunks along it, uneven sizes
+                                     padded in the shard (layout.py)
+    ShardPlacementResult(p, info)    torch 2.14's per-parameter mesh: `p` (Shard(dim) or None)
+                                     over `info.mesh`, an FSDPMeshInfo (1-D mesh) or HSDPMeshInfo
+                                     (2-D: replicate, shard), as torch's _get_mesh_info makes them
+    MeshPlacement(p, mesh)           the same without torch's internals: a 1-D or 2-D DeviceMesh
+
+A unit's parameters on other meshes form buckets of their own (param_buckets.py), gathered and
+reduced over their mesh's groups. Refused at the call, naming the parameter: a dim out of range;
+another placement type; a mesh that does not hold this rank; a mesh-info of another kind (DDP
+only, or SPMD dims); Shard(dim > 0) or another mesh for a tensor-parallel or tensor-subclass
+parameter.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 
-def shard_dim(shard_placement_fn, slot, module, subclass: bool) -> int:
-    """The shard dim of `slot`'s parameter (of `module`) under `shard_placement_fn`."""
+@dataclass(frozen=True)
+class MeshPlacement:
+    """fsdp_ext's spelling of a per-parameter mesh: shard `placement` (Shard(dim), or None for
+    Shard(0)) over `mesh` (1-D: shard; 2-D: replicate, shard)."""
+
+    placement: Shard | None
+    mesh: object
+
+
+def resolve(shard_placement_fn, slot, module, subclass: bool, unit_mesh) -> tuple[int, object]:
+    """(the shard dim, the mesh, None for the unit's) of `slot`'s parameter (of `module`)."""
     if shard_placement_fn is None:
-        return 0
+        return 0, None
     where = f"fully_shard({type(module).__name__}): shard_placement_fn for parameter '{slot.fqn}'"
-    placement = shard_placement_fn(slot.param)
-    if type(placement).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh)
-        raise NotImplementedError(
-            f"{where} returned a ShardPlacementResult (a mesh of its own for this parameter): "
-            "fsdp_ext shards every parameter of a unit over the unit's mesh; return Shard(dim) "
-            "or None")
+    result = shard_placement_fn(slot.param)
+    placement, mesh = result, None
+    if type(result).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh_info)
+        placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
+    elif isinstance(result, MeshPlacement):
+        placement, mesh = result.placement, result.mesh
+        if mesh is None or mesh.ndim not in (1, 2):
+            raise ValueError(f"{where} returned MeshPlacement with {mesh!r}: a 1-D (shard) or "
+                             "2-D (replicate, shard) DeviceMesh")
+    dim = _dim(placement, slot, where)
+    if mesh is not None and unit_mesh is not None and mesh == unit_mesh:
+        mesh = None
+    if mesh is not None and mesh.get_coordinate() is None:
+        raise ValueError(f"{where} returned a mesh over ranks {mesh.mesh.flatten().tolist()}, "
+                         f"which does not hold rank {dist.get_rank()}: every rank that runs "
+                         "fully_shard on this module must be in each parameter's mesh")
+    if (dim or mesh is not None) and (slot.tp_spec is not None or subclass):
+        kind = "tensor-parallel" if slot.tp_spec is not None else "tensor-subclass"
+        raise NotImplementedError(f"{where} asks for Shard({dim}) on a mesh of its own or a "
+                                  f"dim > 0: a {kind} parameter is sharded along dim 0 over the "
+                                  "unit's mesh only")
+    return dim, mesh
+
+
+def _dim(placement, slot, where: str) -> int:
     if placement is None:
         return 0
     if type(placement) is not Shard:
@@ -33,9 +73,26 @@ def shard_dim(shard_placement_fn, slot, module, subclass: bool) -> int:
     if not 0 <= dim < ndim:
         raise ValueError(f"{where} returned Shard({placement.dim}), out of range for its "
                          f"{ndim}-D shape {list(slot.shape)}")
-    if dim and (slot.tp_spec is not None or subclass):
-        raise NotImplementedError(
-            f"{where} returned Shard({dim}): a "
-            f"{'tensor-parallel' if slot.tp_spec is not None else 'tensor-subclass'} parameter "
-            "is sharded along dim 0 only")
     return dim
+
+
+def _mesh_of(mesh_info, where: str):
+    """The DeviceMesh of torch's FSDPMeshInfo (1-D) or HSDPMeshInfo (2-D: replicate, shard)."""
+    kinds = [c.__name__ for c in type(mesh_info).__mro__]
+    if "FSDPMeshInfo" not in kinds:
+        raise TypeError(f"{where} returned a ShardPlacementResult whose mesh_info is a "
+                        f"{type(mesh_info).__name__}; expected torch's FSDPMeshInfo or "
+                        "HSDPMeshInfo (_fsdp_init._get_mesh_info makes them)")
+    if getattr(mesh_info, "dp_mesh_dims", None) is not None:
+        raise NotImplementedError(f"{where}: a mesh-info over named SPMD axes (dp_mesh_dims) as a "
+                                  "parameter's own mesh is not supported; give the data-parallel "
+                                  "submesh (FSDPMeshInfo(mesh, shard_mesh_dim=0))")
+    mesh, hybrid = mesh_info.mesh, "HSDPMeshInfo" in kinds
+    expected = (2, 1, 0) if hybrid else (1, 0, None)
+    if (mesh.ndim, mesh_info.shard_mesh_dim, mesh_info.replicate_mesh_dim) != expected:
+        raise NotImplementedError(
+            f"{where}: its {type(mesh_info).__name__} has a {mesh.ndim}-D mesh with "
+            f"shard_mesh_dim={mesh_info.shard_mesh_dim}, "
+            f"replicate_mesh_dim={mesh_info.replicate_mesh_dim}; fsdp_ext takes a 1-D shard "
+            "mesh (FSDPMeshInfo) or a 2-D (replicate, shard) one (HSDPMeshInfo)")
+    return mesh

@@ -146,7 +146,8 @@ def make_issue_thread_groups(units, issue_thread: bool,
     if not issue_thread:
         return
     for unit in units:
-        for group in (unit.groups.shard, unit.groups.post_forward):
+        for group in (unit.groups.shard, unit.groups.post_forward,
+                      *(b.groups.shard for b in unit.buckets)):  # (own meshes: placements.py)
             issue_thread_group(group, timeout)
 
 

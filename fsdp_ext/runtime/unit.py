@@ -144,31 +144,46 @@ class Unit(UnitLifecycle):
             self.params.started_unshard(None)
             return
         unit_checks.check_materialized(self)
-        if chunks is not None:  # regather from the smaller post-forward group (W/k ranks' chunks each)
-            group, slot = self.groups.post_forward, self.groups.post_forward_rank
-        else:
-            group, slot = self.groups.shard, self.groups.shard_rank
         schedule = self.schedule or Schedule.create_standalone(self)  # unshard() before forward
-        sizes = [(bucket.full_numel, bucket.full.dtype) for bucket in self.buckets]
-
-        def tags():
-            return [schedule.checker.issue(group, "all_gather", self.name, sizes,
-                                           schedule.where(prefetch))]
+        after_event = schedule.take_post_optim_event() if self.is_root else None
         # Without a shard group (NO_SHARD, one rank) the unshard is a local copy: the trace says
         # so instead of showing an all-gather that does not happen.
-        kind = "all_gather" if group is not None else "unshard_copy"
+        kind = "all_gather" if self.groups.shard is not None else "unshard_copy"
         RECORDER.add(f"{kind}.issue", self.name)
+        in_flights = []
         with profiler_range(kind, self.name):
-            in_flight = gather.start(
-                self.buckets, chunks, group, slot, self.groups.shard_size,
-                schedule.streams, offload=self.offload is not None and chunks is None,
-                label=f"{kind} of unit '{self.name or '<root>'}'", name=self.name, tags=tags,
-                after_event=schedule.take_post_optim_event() if self.is_root else None)
+            for buckets, group, slot, world in self._gathers(chunks is not None):
+                sizes = [(bucket.full_numel, bucket.full.dtype) for bucket in buckets]
+
+                def tags(group=group, sizes=sizes):
+                    return [schedule.checker.issue(group, "all_gather", self.name, sizes,
+                                                   schedule.where(prefetch))]
+                in_flights.append(gather.start(
+                    buckets, chunks and [chunks[self.buckets.index(b)] for b in buckets], group,
+                    slot, world, schedule.streams,
+                    offload=self.offload is not None and chunks is None,
+                    label=f"{kind} of unit '{self.name or '<root>'}'", name=self.name,
+                    tags=tags, after_event=after_event))
+        in_flight = in_flights[0] if len(in_flights) == 1 else gather.InFlightGathers(in_flights)
         self.params.started_unshard(in_flight)
         if self.offload is not None and chunks is None:  # it reads the host shards
             schedule.host_reads.note_read(in_flight.pending.event)
         RECORDER.add(f"{kind}.issued", self.name)  # launched: collective queued
         schedule.note_unshard(self)
+
+    def _gathers(self, regather: bool) -> list[tuple[list, object, int, int]]:
+        """(buckets, group, this rank's slot, world) per all-gather: one over the unit's shard
+        group (or, regathering from post-forward chunks, its post-forward group), one more per
+        mesh some of its parameters have of their own (placements.py)."""
+        by_groups: dict[int, tuple[list, object, int, int]] = {}
+        for bucket in self.buckets:
+            on = bucket.groups
+            if regather:
+                group, slot, world = on.post_forward, on.post_forward_rank, on.shard_size
+            else:
+                group, slot, world = on.shard, on.shard_rank, on.shard_size
+            by_groups.setdefault(id(on), ([], group, slot, world))[0].append(bucket)
+        return list(by_groups.values())
 
     def wait_unshard(self) -> None:
         in_flight = self.params.in_flight

@@ -1,0 +1,67 @@
+"""Who a unit's (or a bucket's) collectives talk to: the process groups it shards and replicates
+over, made from a DeviceMesh or given as process groups."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Groups:
+    """Who a unit shards over and who it replicates over.
+
+    shard: ranks that each hold 1/shard_size of the unit (None: one rank, nothing to gather).
+    replicate: ranks holding the same shard; gradients are all-reduced over them (HSDP, NO_SHARD).
+    post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward.
+    """
+
+    device: torch.device
+    shard: dist.ProcessGroup | None = None
+    replicate: dist.ProcessGroup | None = None
+    post_forward: dist.ProcessGroup | None = None
+    post_forward_size: int = 1
+    # set_separate_reduce_scatter_group: a second group over the shard ranks for the gradient
+    # reductions, so they do not queue behind all-gathers on one communicator
+    separate_reduce_scatter: dist.ProcessGroup | None = None
+    # No process group existed and no launcher started this process: one process, nothing sharded
+    # (api/default_group.py). Said by describe() and at the root's first forward.
+    single_process: bool = False
+
+    @classmethod
+    def of_mesh(cls, mesh, device: torch.device) -> "Groups":
+        """A 1-D mesh's ranks shard; a 2-D mesh's first dim replicates, its second shards (HSDP).
+        A group of one rank is none."""
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got "
+                             f"{mesh.ndim}-D")
+        shard = mesh.get_group(mesh.ndim - 1)
+        replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+        return cls(device=device, shard=shard if dist.get_world_size(shard) > 1 else None,
+                   replicate=replicate if replicate is not None
+                   and dist.get_world_size(replicate) > 1 else None)
+
+    @property
+    def reduce_scatter(self) -> dist.ProcessGroup | None:
+        return self.separate_reduce_scatter or self.shard
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard) if self.shard is not None else 1
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard) if self.shard is not None else 0
+
+    @property
+    def replicate_size(self) -> int:
+        return dist.get_world_size(self.replicate) if self.replicate is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    @property
+    def post_forward_rank(self) -> int:
+        return dist.get_rank(self.post_forward) if self.post_forward is not None else 0
