@@ -51,12 +51,13 @@ def check_wrapping_errors(rank: int, world_size: int) -> None:
         fsdp_ext.fully_shard(model)
     with pytest.raises(ValueError, match=r"already sharded"):
         fsdp_ext.FullyShardedDataParallel(model)
-    # torch's shard_placement_fn: Shard(0) is honoured, anything else refused naming the parameter.
+    # torch's shard_placement_fn: Shard(dim) is honoured, a dim out of range refused naming the
+    # parameter (tests/test_placements.py has the rest).
     from torch.distributed.tensor import Shard
-    fsdp_ext.fully_shard(_mlp(), shard_placement_fn=lambda p: Shard(0))
-    with pytest.raises(NotImplementedError, match=r"shard_placement_fn returned S\(1\) for "
-                                                  r"parameter '0\.0\.weight'; fsdp_ext shards"):
-        fsdp_ext.fully_shard(_mlp(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    fsdp_ext.fully_shard(_mlp(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    with pytest.raises(ValueError, match=r"shard_placement_fn for parameter '0\.0\.weight' "
+                                         r"returned Shard\(2\), out of range"):
+        fsdp_ext.fully_shard(_mlp(), shard_placement_fn=lambda p: Shard(p.dim()))
     parent = fsdp_ext.fully_shard(_mlp())
     with pytest.raises(ValueError, match=r"parameter 'weight' of Linear already belongs to the unit "
                                          r"of Sequential \(parameter '1\.weight'\); apply fully_shard "
