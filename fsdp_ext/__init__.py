@@ -34,6 +34,7 @@ from .diagnostics.memory import memory_report
 from .diagnostics.optim_check import check_optimizer
 from .planner.plan import plan
 from .runtime.comm_policy import CommPolicy
+from .runtime.placements import MeshPlacement
 from .runtime.errors import CollectiveError, CollectiveMismatchError, NonFiniteGradientError
 from .runtime.storage_cache import empty_cache
 from .shutdown import exit_without_finalization, run_then_exit
@@ -63,6 +64,8 @@ __all__ = [
     "clip_grad_norm_", "summon_full_params",
     # fewer bytes on the wire (fsdp_ext's own)
     "CommPolicy",
+    # a parameter's own mesh from shard_placement_fn, without torch's internals (fsdp_ext's own)
+    "MeshPlacement",
     # state dicts and checkpoints
     "full_state_dict", "sharded_state_dict", "load_full_state_dict", "optim_state_dict",
     "load_optim_state_dict", "save_checkpoint", "load_checkpoint", "CheckpointError",

@@ -4,7 +4,9 @@ weights `[experts, in, out]` sharded along dim 1 (torchtitan's choice when exper
 and along the last dim, beside Shard(0) parameters of the same unit. Losses, gradients, trained
 parameters, placements and local shapes equal torch's; mixed precision, CPU offload,
 clip_grad_norm_, reshard_after_forward=k and state dicts both ways; uneven sizes (which torch
-refuses for dim > 0) against the unwrapped model; bad placements refused naming the parameter."""
+refuses for dim > 0) against the unwrapped model; experts on a mesh of their own (torch 2.14's
+ShardPlacementResult with FSDPMeshInfo or HSDPMeshInfo, and fsdp_ext's MeshPlacement); bad
+placements refused naming the parameter."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +44,9 @@ def _against_torch(what, rank, world, **kwargs):
 
 
 def check_dim_1(rank, world):
-    _against_torch("Shard(1) experts", rank, world)
+    """shard_placement_fn returning Shard(1) for the expert weights (placement_scripts.train's
+    default), Shard(0) for the rest."""
+    _against_torch("Shard(1) experts", rank, world, placement_fn=scripts.experts_on(1))
 
 
 def check_last_dim_and_clip(rank, world):
@@ -96,7 +100,8 @@ def check_bad_placements(rank, world):
         fsdp_ext.fully_shard(block, shard_placement_fn=lambda p: _StridedShard(1, split_factor=2)
                              if p.dim() == 3 else None)
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    with pytest.raises(NotImplementedError, match=r"'experts.w1'.*ShardPlacementResult"):
+    with pytest.raises(TypeError, match=r"'experts.w1'.*ShardPlacementResult whose mesh_info is "
+                                        r"a NoneType"):
         fsdp_ext.fully_shard(block, shard_placement_fn=lambda p: ShardPlacementResult(Shard(1), None)
                              if p.dim() == 3 else None)
     assert not isinstance(block, fsdp_ext.FSDPModule)  # refused before anything changed
@@ -130,17 +135,70 @@ def check_state_paths(rank, world, directory):
           {k: v.full_tensor() for k, v in theirs.state_dict().items()}, reference)
 
 
+def _expert_meshes(world):
+    """The unit's mesh (every rank) and an (ep, efsdp) split of it: experts sharded over efsdp,
+    replicated across ep (expert parallelism's layout, here without token dispatch: each ep
+    group's experts train on its own ranks' data, as torch's fully_shard trains them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    split = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "efsdp"))
+    return mesh, split
+
+
+def check_own_meshes(rank, world):
+    """torch 2.14's ShardPlacementResult: experts Shard(1) over the efsdp mesh (FSDPMeshInfo),
+    the rest over the unit's; fsdp_ext's MeshPlacement spelling gives the same; with
+    HSDPMeshInfo (2-D replicate x shard) for the experts too."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo, HSDPMeshInfo,
+                                                                  ShardPlacementResult)
+    mesh, split = _expert_meshes(world)
+    efsdp = FSDPMeshInfo(split["efsdp"], shard_mesh_dim=0)
+
+    def torch_fn(p):
+        return ShardPlacementResult(Shard(1), efsdp) if p.dim() == 3 else None
+    theirs = scripts.train(torch_fsdp, rank, world, placement_fn=torch_fn, mesh=mesh)
+    _same("experts on their own mesh", scripts.train(fsdp_ext, rank, world,
+                                                      placement_fn=torch_fn, mesh=mesh), theirs)
+    ours = scripts.train(fsdp_ext, rank, world, mesh=mesh, placement_fn=lambda p: (
+        fsdp_ext.MeshPlacement(Shard(1), split["efsdp"]) if p.dim() == 3 else None))
+    _same("MeshPlacement", ours, theirs)
+    hsdp = HSDPMeshInfo(split, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def hybrid_fn(p):
+        return ShardPlacementResult(Shard(1), hsdp) if p.dim() == 3 else None
+    _against_torch("experts on a 2-D (replicate, shard) mesh of their own", rank, world,
+                   placement_fn=hybrid_fn, mesh=mesh)
+
+
+def check_own_mesh_refusals(rank, world):
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, ShardPlacementResult
+    mesh, split = _expert_meshes(world)
+    block = scripts.build().blocks[0]
+    ddp = DDPMeshInfo(split["efsdp"], replicate_mesh_dim=0)
+    with pytest.raises(TypeError, match=r"'experts.w1'.*mesh_info is a DDPMeshInfo"):
+        fsdp_ext.fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: (
+            ShardPlacementResult(Shard(0), ddp) if p.dim() == 3 else None))
+    with pytest.raises(NotImplementedError, match=r"'experts.w1' is sharded over a mesh of its "
+                                                  r"own.*CPU offload"):
+        fsdp_ext.fully_shard(block, mesh=mesh, offload_policy=torch_fsdp.CPUOffloadPolicy(),
+                             shard_placement_fn=lambda p: (
+                                 fsdp_ext.MeshPlacement(None, split["efsdp"])
+                                 if p.dim() == 3 else None))
+    assert not isinstance(block, fsdp_ext.FSDPModule)
+
+
 def _world_2(rank, world, directory):
     def check_state_paths_here(rank, world):
         check_state_paths(rank, world, directory)
     run_checks([check_dim_1, check_last_dim_and_clip, check_state_dicts_both_ways,
-                check_state_paths_here, check_bad_placements], rank, world)
+                check_state_paths_here, check_bad_placements, check_own_meshes,
+                check_own_mesh_refusals], rank, world)
 
 
 def _world_4(rank, world):
     run_checks([check_dim_1, check_last_dim_and_clip, check_mixed_precision, check_offload,
                 check_state_dicts_both_ways, check_uneven_against_the_unwrapped_model,
-                check_reshard_after_forward_k], rank, world)
+                check_reshard_after_forward_k, check_own_meshes], rank, world)
 
 
 def test_shard_dim_placements_match_torch_world_2(tmp_path):

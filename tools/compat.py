@@ -41,7 +41,9 @@ IO = "tests/test_fsdp2_interop.py"
 TL = "tests/test_training_loop.py"
 BI = "tests/test_bad_inputs.py"
 DP = "tests/test_dp_mesh_dims.py"
+PL = "tests/test_placements.py"
 CHECKS = {
+    "pl.dims": (PL, "check_dim_1"),
     "dp.hsdp": (DP, "check_hsdp"),
     "dp.flattened": (DP, "check_flattened_shard_axes"),
     "f1.strategies": (F1, "check_sharding_strategies"),
@@ -127,9 +129,14 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
     "fully_shard(mesh)": (TESTED, "f2.arguments", "1-D (shard) or 2-D (replicate, shard)"),
     "fully_shard(reshard_after_forward)": (TESTED, "f2.arguments",
                                            "bool or int (1 = False, shard size = True)"),
-    "fully_shard(shard_placement_fn)": (PARTLY, "f2.arguments",
-                                        "Shard(0) or None honoured; other placements refused "
-                                        "naming the parameter"),
+    "fully_shard(shard_placement_fn)": (TESTED, "pl.dims",
+                                        "Shard(dim) for any dim (uneven sizes padded; torch "
+                                        "refuses them for dim > 0) or None; torch's "
+                                        "ShardPlacementResult with an FSDPMeshInfo or "
+                                        "HSDPMeshInfo (a parameter's own mesh: not with CPU "
+                                        "offload or reshard_after_forward=int), or fsdp_ext's "
+                                        "MeshPlacement; other placements refused naming the "
+                                        "parameter"),
     "fully_shard(mp_policy)": (TESTED, "f2.arguments", ""),
     "fully_shard(offload_policy)": (TESTED, "f2.arguments", ""),
     "fully_shard(ignored_params)": (TESTED, "f2.ignored", ""),

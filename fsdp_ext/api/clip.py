@@ -20,11 +20,12 @@ from ..runtime.errors import NonFiniteGradientError
 from ..runtime.registry import units_of
 
 
-def _reduction_groups(unit, slot) -> tuple:
-    """Over which process groups this rank's part of `slot`'s gradient must be summed: the shard
-    group, and a tensor-parallel mesh's group where TP shards the parameter too (a TP-replicated
-    parameter's gradient is the same on every TP rank: counted once)."""
-    groups = (unit.groups.shard,)
+def _reduction_groups(bucket, slot) -> tuple:
+    """Over which process groups this rank's part of `slot`'s gradient must be summed: its
+    bucket's shard group (the unit's, or its own mesh's), and a tensor-parallel mesh's group
+    where TP shards the parameter too (a TP-replicated parameter's gradient is the same on every
+    TP rank: counted once)."""
+    groups = (bucket.groups.shard,)
     tp = slot.tp_spec
     if tp is not None and any(p.is_shard() for p in tp.placements):
         groups += (tp.mesh.get_group(),)
@@ -38,7 +39,7 @@ def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.
     by_groups: dict[tuple, tuple[tuple, list]] = {}
     for bucket in unit.buckets:  # every parameter's key, gradient or not: the same on all ranks
         for slot in bucket.slots:
-            groups = _reduction_groups(unit, slot)
+            groups = _reduction_groups(bucket, slot)
             grads = by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1]
             if slot.param.grad is not None and dtensor_params.local_of(slot.param.grad).numel():
                 grads.append(dtensor_params.local_of(slot.param.grad))

@@ -47,7 +47,11 @@ class ExactWire:
     takes_comm_policy = True  # a CommPolicy may replace it (wire_quantized.with_policy)
 
     def describe(self, bucket) -> str:
-        return "DTensor Shard(0) rows" if bucket.layout.kind == "rows" else "flat"
+        if bucket.layout.kind != "rows":
+            return "flat"
+        if any(s.dim for s in bucket.layout.slots):
+            return "DTensor rows, Shard(0) unless marked"
+        return "DTensor Shard(0) rows"
 
     # ---- sharded state ------------------------------------------------------------------------
     def init_shard(self, bucket, device: torch.device, offload) -> None:

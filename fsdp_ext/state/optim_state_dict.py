@@ -165,5 +165,5 @@ def _gather_state(unit, bucket, indices, tensors) -> list[torch.Tensor]:
     for index, tensor in zip(indices, tensors):
         lo, hi = bucket.layout.local_range(index)
         local[lo:hi].copy_(dtensor_params.local_of(tensor).reshape(-1))
-    views = bucket.wire.gather_full(bucket, unit.groups, local)
+    views = bucket.wire.gather_full(bucket, bucket.groups, local)
     return [views[index] for index in indices]

@@ -111,7 +111,7 @@ def _write_own_ranges(fd: int, entries: list[Entry], data_start: int, rank: int)
             if rank == 0:  # buffers are replicated: rank 0 writes them
                 os.pwrite(fd, _as_bytes(e.buffer), data_start + e.begin)
             continue
-        groups = e.info.unit.groups
+        groups = e.info.bucket.groups
         if groups.replicate is not None and dist.get_rank(groups.replicate) != 0:
             continue  # another replica holds the same bytes
         layout, index = e.info.bucket.layout, e.info.index

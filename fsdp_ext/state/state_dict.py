@@ -150,7 +150,7 @@ def gather_bucket(unit, bucket, shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather one bucket's `shard` (its parameters' shard, or its gradients') in its own
     dtype; the full-shape tensors (views of one buffer). Tensor-subclass parameters: each
     DTensor's `full_tensor()`, the subclass's own gather (as torch's state-dict helpers do)."""
-    return bucket.wire.gather_full(bucket, unit.groups, None if shard is bucket.shard else shard)
+    return bucket.wire.gather_full(bucket, bucket.groups, None if shard is bucket.shard else shard)
 
 
 # ---- public functions -------------------------------------------------------------------------------
