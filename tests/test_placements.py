@@ -110,7 +110,7 @@ def check_bad_placements(rank, world):
 def check_state_paths(rank, world, directory):
     """fsdp_ext's own state paths on Shard(1) experts: full_state_dict, load_full_state_dict,
     summon_full_params with writeback, export_safetensors + load_pretrained (each rank writes one
-    range per expert), a DCP checkpoint saved by fsdp_ext and loaded by torch's fully_shard."""
+    range per expert), DCP checkpoints saved by one implementation and loaded by the other."""
     import torch.distributed.checkpoint as dcp
     fn = scripts.experts_on(1)
     reference = scripts.build(seed=5).state_dict()
@@ -133,6 +133,14 @@ def check_state_paths(rank, world, directory):
     theirs.load_state_dict(state)
     _same("DCP saved by fsdp_ext, loaded by torch",
           {k: v.full_tensor() for k, v in theirs.state_dict().items()}, reference)
+    with torch.no_grad():
+        theirs.blocks[0].experts.w1.mul_(3.0)
+    reference["blocks.0.experts.w1"] = reference["blocks.0.experts.w1"] * 3.0
+    dcp.save(theirs.state_dict(), checkpoint_id=f"{directory}/dcp_torch")
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=f"{directory}/dcp_torch")
+    model.load_state_dict(state)
+    _same("DCP saved by torch, loaded by fsdp_ext", fsdp_ext.full_state_dict(model), reference)
 
 
 def _expert_meshes(world):

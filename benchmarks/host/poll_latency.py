@@ -1,5 +1,5 @@
 """How long after the device finished the host's bounded wait notices: the end-of-backward flag
-read (runtime/streams.py: wait_bounded), against the fixed 100 us sleep between queries it
+read (runtime/host_reads.py: wait_bounded), against the fixed 100 us sleep between queries it
 replaced.
 
 An event completes at a random moment (0.05 to 5 ms after the wait starts: a step's last
@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from fsdp_ext.runtime import streams
+from fsdp_ext.runtime import host_reads, streams
 
 
 class _ClockEvent:
@@ -66,7 +66,7 @@ def main() -> None:
     print("| wait | median | p90 | p99 | max |")
     print("|---|---|---|---|---|")
     for name, wait in (("fixed 100 us sleep (before)", _fixed_sleep),
-                       ("queries yielding between them (now)", streams.wait_bounded)):
+                       ("queries yielding between them (now)", host_reads.wait_bounded)):
         lat = sorted(_latencies(wait, delays))
         q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1e6  # noqa: E731
         print(f"| {name} | {statistics.median(lat) * 1e6:.1f} | {q(0.9):.1f} | {q(0.99):.1f} | "

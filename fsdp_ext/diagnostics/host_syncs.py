@@ -315,7 +315,7 @@ def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | No
 # in all (ALLOWED_PER_STEP), at one of these; everything else the runtime does in a step must not
 # block the host.
 ALLOWED = {
-    ("fsdp_ext/runtime/streams.py", "wait_bounded"): (
+    ("fsdp_ext/runtime/host_reads.py", "wait_bounded"): (
         1, "the collective tags' one check per step (read_flags), at the end of the backward that "
            "reduces gradients (a mismatch raises on every rank before an optimizer step can use "
            "the data); with CPU offload it also covers the host shards' copies to the device"),

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import streams
 from .comm import all_gather_flat, wait_work
 from .errors import CollectiveMismatchError
+from .host_reads import wait_bounded
 from .peer_watch import PeerWatch
 
 _FLAGS_PER_BUFFER = 256  # tag flags per pinned host buffer (a step of a 40-unit model needs ~120)
@@ -312,7 +313,7 @@ class CollectiveChecker:
         copied = streams.record_event(current)
         with self.watch.waiting(tags[-1]):
             try:
-                streams.wait_bounded(copied, self.timeout)
+                wait_bounded(copied, self.timeout)
             except Exception as exc:
                 arrived = self._flags(len(tags))  # no wait: what the device copied so far
                 for tag, bad in zip(tags, arrived):

@@ -5,9 +5,13 @@ The all-gather stream copies host shards to the device without blocking the host
 reduce-scatter stream copies reduced gradients to the host. The optimizer step (and a state-dict
 load, a user edit) writes the shards; the offloaded gradient epilogues read the copies. Both wait
 for one host sync per step (`sync`), merged with the collective tags' flag read where there is
-one (schedule.py: _end_of_step_sync).
+one (schedule.py: _end_of_step_sync). `wait_bounded` is the host's bounded wait for an event,
+the one the tags' flag read makes (collective_tags.py: read_flags).
 """
 from __future__ import annotations
+
+import datetime
+import time
 
 import torch
 
@@ -54,3 +58,20 @@ class HostReads:
         work, self.work = self.work, []
         for run in work:
             run()
+
+
+def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
+    """Block the host until `event` completed; TimeoutError after `timeout` (None: unbounded).
+
+    Polls without sleeping, yielding the interpreter between queries (`sleep(0)`: the heartbeat
+    thread still runs), as CUDA's own event wait spins by default: this is the end of backward,
+    nothing else is queued, and every microsecond between the event and the host noticing it is
+    device idle time. A fixed 100 us sleep between queries (about 160 us on Linux with timer
+    slack) added that much on average (benchmarks/host/poll_latency.py measures both)."""
+    if timeout is not None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not streams.query(event):
+            if time.monotonic() >= deadline:
+                raise TimeoutError("timed out waiting for the step's collectives")
+            time.sleep(0)
+    streams.synchronize(event)

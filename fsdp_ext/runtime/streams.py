@@ -23,8 +23,6 @@ which the runtime takes this same side-stream path with CPU tensors and gloo.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import time
 
 import torch
 
@@ -185,20 +183,3 @@ def host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 def host_tensor(values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host tensor of Python `values`; `pin` as for host_empty."""
     return _backend.host_tensor(values, dtype, pin)
-
-
-def wait_bounded(event, timeout: datetime.timedelta | None) -> None:
-    """Block the host until `event` completed; TimeoutError after `timeout` (None: unbounded).
-
-    Polls without sleeping, yielding the interpreter between queries (`sleep(0)`: the heartbeat
-    thread still runs), as CUDA's own event wait spins by default: this is the end of backward,
-    nothing else is queued, and every microsecond between the event and the host noticing it is
-    device idle time. A fixed 100 us sleep between queries (about 160 us on Linux with timer
-    slack) added that much on average (benchmarks/host/poll_latency.py measures both)."""
-    if timeout is not None:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not query(event):
-            if time.monotonic() >= deadline:
-                raise TimeoutError("timed out waiting for the step's collectives")
-            time.sleep(0)
-    synchronize(event)
