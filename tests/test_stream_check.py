@@ -251,9 +251,9 @@ def _drop_accumulator(original):
 
 
 def _drop_post_forward_chunks(original):
-    def unshard(self, async_op=True):
+    def unshard(self, async_op=True, **kwargs):
         regather = self.params.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        original(self, async_op)
+        original(self, async_op, **kwargs)
         if regather and self.params.in_flight is not None:
             self.params.in_flight.pending.keep_alive.clear()
     return unshard

@@ -326,7 +326,7 @@ class Schedule:
             if limit is not None and unit.transient and self.transient_unsharded() >= limit:
                 RECORDER.add("prefetch.skipped", unit.name)
                 break
-            unit.prefetch()
+            unit.unshard(prefetch=True)
 
     def max_in_flight(self) -> int | None:
         if not self.options.limit_in_flight:

@@ -125,18 +125,14 @@ class Unit(UnitLifecycle):
         adopt_params(self)
 
     # ---- unshard / reshard ------------------------------------------------------------------------
-    def unshard(self, async_op: bool = True) -> None:
+    def unshard(self, async_op: bool = True, *, prefetch: bool = False) -> None:
         """Issue the all-gathers of every bucket (unless unsharded or already in flight); with
-        `async_op=False` wait for them too."""
+        `async_op=False` wait for them too. `prefetch`: the schedule issues them ahead of their
+        use (their tags say so)."""
         if not self.params.gathered():
-            self._start_unshard()
+            self._start_unshard(prefetch)
         if not async_op:
             self.wait_unshard()
-
-    def prefetch(self) -> None:
-        """The schedule issues this unit's all-gather ahead of its use (its tag says so)."""
-        if not self.params.gathered():
-            self._start_unshard(prefetch=True)
 
     def _start_unshard(self, prefetch: bool = False) -> None:
         chunks = self.params.take_chunks()

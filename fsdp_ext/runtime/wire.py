@@ -108,16 +108,16 @@ class ExactWire:
     def holds_memory(self, bucket) -> bool:
         return False
 
-    def gather_full(self, bucket, groups, tensor=None) -> list[torch.Tensor]:
-        """All-gather a shard-shaped `tensor` (None: the parameters' shard) in its own dtype,
-        blocking (state dicts, summon_full_params): the full-shape tensors, views of one
-        buffer on the collective's device."""
-        shard = bucket.shard if tensor is None else tensor
-        device = groups.device  # (the shard may be offloaded to the CPU)
-        full = torch.empty(bucket.full_numel, dtype=shard.dtype, device=device)
+    def gather_full(self, bucket, groups, local: torch.Tensor,
+                    parameters: bool = False) -> list[torch.Tensor]:
+        """All-gather a shard-shaped tensor `local` (on the collective's device: the caller
+        moves an offloaded shard) in its own dtype, blocking (state dicts, summon_full_params):
+        the full-shape tensors, views of one buffer. `parameters`: `local` is the parameters'
+        shard."""
+        full = torch.empty(bucket.full_numel, dtype=local.dtype, device=local.device)
         out = targets(bucket, full, groups.shard_size)
-        copy_in_and_gather(out, sources(bucket, shard.to(device)), groups.shard_rank,
-                           groups.shard, async_op=False)
+        copy_in_and_gather(out, sources(bucket, local), groups.shard_rank, groups.shard,
+                           async_op=False)
         copy_out(bucket, full, out)
         return bucket.buffer_views(full)
 

@@ -281,13 +281,13 @@ class SubclassWire(ExactWire):
         `full` is only the bucket's anchor in the unit's autograd function)."""
         return [r.unsharded.detach() for r in self.params]
 
-    def gather_full(self, bucket, groups, tensor=None) -> list[torch.Tensor]:
-        """The parameters (`tensor` None): each DTensor's `full_tensor()`, the subclass's own
-        gather (as torch's state-dict helpers do); a plain shard-shaped tensor (the gradients)
-        as an exact bucket gathers it."""
-        if tensor is None:
+    def gather_full(self, bucket, groups, local, parameters: bool = False) -> list[torch.Tensor]:
+        """The parameters: each DTensor's `full_tensor()`, the subclass's own gather (as torch's
+        state-dict helpers do); a plain shard-shaped tensor (the gradients) as an exact bucket
+        gathers it."""
+        if parameters:
             return [slot.param.full_tensor() for slot in bucket.slots]
-        return super().gather_full(bucket, groups, tensor)
+        return super().gather_full(bucket, groups, local)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

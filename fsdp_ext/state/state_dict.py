@@ -150,7 +150,9 @@ def gather_bucket(unit, bucket, shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather one bucket's `shard` (its parameters' shard, or its gradients') in its own
     dtype; the full-shape tensors (views of one buffer). Tensor-subclass parameters: each
     DTensor's `full_tensor()`, the subclass's own gather (as torch's state-dict helpers do)."""
-    return bucket.wire.gather_full(bucket, bucket.groups, None if shard is bucket.shard else shard)
+    parameters = shard is bucket.shard
+    local = shard.to(bucket.groups.device) if shard is not None else None  # (maybe offloaded)
+    return bucket.wire.gather_full(bucket, bucket.groups, local, parameters)
 
 
 # ---- public functions -------------------------------------------------------------------------------
