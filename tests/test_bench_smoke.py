@@ -91,3 +91,19 @@ def test_gpu_projection_benchmark_projects_every_mode(tmp_path):
     assert all(m["summary"]["host_syncs"] >= runtime[name] for name, m in modes.items())
     assert "PROJECTION" in (tmp_path / "gpu_projection.md").read_text()
     assert (tmp_path / "gpu_projection.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_moe_step_benchmark_counts_the_expert_padding(tmp_path):
+    """World 4 with 2 experts: every variant timed, and Shard(0) experts gather twice the
+    experts' bytes of Shard(1) (the script itself asserts the measured difference is the
+    computed padding)."""
+    _run("step.moe_step", "--world-sizes", "4", "--steps", "1", "--warmup", "1",
+         "--out", str(tmp_path))
+    res = json.loads((tmp_path / "moe_step.json").read_text())["results"]["4"]
+    assert set(res) == {"fsdp_ext", "torch", "fsdp_ext-shard0", "torch-shard0"}
+    for impl in ("fsdp_ext", "torch"):
+        assert (res[impl]["expert_dim"], res[f"{impl}-shard0"]["expert_dim"]) == (1, 0)
+        assert res[f"{impl}-shard0"]["expert_bytes"] == 2 * res[impl]["expert_bytes"]
+        assert res[impl]["gather_bytes"] == res["fsdp_ext"]["gather_bytes"]
+        assert res[impl]["median_s"] > 0 and res[impl]["peak_rss"] > 0

@@ -208,6 +208,12 @@ def _force_sum_reduction_on_gloo() -> None:
         impl = {"fsdp_ext" if any(c.__module__.startswith("fsdp_ext.") for c in type(m).__mro__)
                 else "torch" for m in units}
         logger.info(f"FSDP implementation: {'+'.join(sorted(impl))} ({len(units)} FSDPModules)")
+        # an MoE model's routed experts: Shard(0), or Shard(1) where the FSDP degree exceeds the
+        # expert count (torchtitan's apply_fsdp_to_decoder picks it); the MoE test checks it
+        experts = {str(p.placements) for n, p in model.named_parameters()
+                   if ".inner_experts." in n and hasattr(p, "placements")}
+        if experts:
+            logger.info(f"FSDP expert placements: {' '.join(sorted(experts))}")
 
     tt_fsdp.disable_fsdp_gradient_division = disable_division_and_force_sum
 
@@ -259,16 +265,32 @@ SMALL = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_
          "--training.disable_cuda_graphs", "--debug.seed", "42"]
 
 
+
+def qwen3_moe(num_experts: int, top_k: int) -> list[str]:
+    """torchtitan's `qwen3_moe_debug` (Qwen3 MoE, EP=1) cut to CPU size: 2 of its 8 blocks,
+    `num_experts` routed experts (64 in the config) with `top_k` (8), experts' hidden size 256
+    (768), sequence 128 (4096), local batch 2 (4); the sizes through torchtitan's own
+    `--override.imports` (tests/titan_overrides.py), as its model config has no CLI flags.
+    torch's `_grouped_mm` has a CPU kernel (bfloat16, forward and backward; strides must be
+    multiples of 16 bytes, which every size here keeps), so the experts run torchtitan's own
+    grouped GEMM, unshimmed."""
+    sizes = {"n_layers": 2, "num_experts": num_experts, "top_k": top_k, "hidden_dim": 256}
+    return ["--module", "qwen3", "--config", "qwen3_moe_debug", "--training.seq_len", "128",
+            "--training.local_batch_size", "2", "--training.disable_cuda_graphs",
+            "--debug.seed", "42",
+            "--override.imports", f"tests.titan_overrides.moe_size={json.dumps(sizes)}"]
+
+
 def launch(impl: str, out: str, assets: tuple[str, str], args: list[str], world_size: int = 2,
-           deadline_s: float = 420.0) -> tuple[list[dict], str]:
-    """Run torchtitan's trainer with `impl` at `world_size` (one process per rank, gloo) and
-    return (rank 0's metrics records, rank 0's output). Fails with every rank's output tail if
-    a rank fails or outlives the deadline."""
+           deadline_s: float = 420.0, base: list[str] = SMALL) -> tuple[list[dict], str]:
+    """Run torchtitan's trainer with `impl` at `world_size` (one process per rank, gloo) on the
+    `base` config arguments (SMALL: llama3) and return (rank 0's metrics records, rank 0's
+    output). Fails with every rank's output tail if a rank fails or outlives the deadline."""
     from .proc_launch import Ranks
 
     metrics = os.path.join(out, "metrics.jsonl")
     os.makedirs(out, exist_ok=True)
-    cmd = ["-m", "tests.titan_cpu", "--fsdp", impl, *SMALL, "--hf_assets_path", assets[0],
+    cmd = ["-m", "tests.titan_cpu", "--fsdp", impl, *base, "--hf_assets_path", assets[0],
            "--dataloader.dataset_path", assets[1], "--dump_folder", out, *args]
     # the datasets cache stays inside the run's folder; nothing is fetched from the network
     env = {"TITAN_CPU_METRICS": metrics, "HF_HOME": os.path.join(out, "hf"),
