@@ -116,25 +116,24 @@ class FSDPModule(_TorchFSDPModule):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate gradients unsharded without communication (FSDP1's no_sync)."""
         for unit in _units_under(self, recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
-            unit.requires_all_reduce = requires_gradient_sync
+            unit.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but defers the all-reduce over replicas (the partial sums
         are added to the next reduction that all-reduces)."""
         for unit in _units_under(self, recurse):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.set_requires_all_reduce(requires_all_reduce)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward's end does not wait for its gradient reductions (they finish
         by the next backward's end or the next forward). Set True for the last micro-batch.
         Schedule-wide: on the root (or, after the first forward, any module of its tree)."""
-        _schedule_options(self._unit).is_last_backward = bool(is_last_backward)
+        _schedule_options(self._unit).update(is_last_backward=bool(is_last_backward))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduced gradients are the sum divided by `factor` (default: the data-parallel size)."""
         for unit in _units_under(self, False):
-            unit.gradient_divide_factor = float(factor)
+            unit.set_gradient_divide_factor(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         warnings.warn("set_reduce_scatter_divide_factor is deprecated; use "
@@ -169,7 +168,7 @@ class FSDPModule(_TorchFSDPModule):
             raise NotImplementedError(
                 "set_all_reduce_hook(stream=...): the hook runs on fsdp_ext's reduce stream, "
                 "ordered after the reduction; leave stream=None")
-        unit.all_reduce_hook = hook
+        unit.set_all_reduce_hook(hook)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
@@ -179,7 +178,7 @@ class FSDPModule(_TorchFSDPModule):
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for unit in _units_under(self, recurse):  # one bound per schedule: the root's applies
-            _schedule_options(unit).max_pending_reduce_scatters = max_input_buffers
+            _schedule_options(unit).update(max_pending_reduce_scatters=max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Gradient reductions on their own process group over the shard ranks (collective:
@@ -187,7 +186,7 @@ class FSDPModule(_TorchFSDPModule):
         for unit in _units_under(self, recurse):
             timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout,
                                               unit.config.env.collective_timeout)
-            unit.groups.separate_reduce_scatter = (
+            unit.groups.set_separate_reduce_scatter(
                 process_groups.separate_group(unit.groups.shard, timeout) if enable else None)
 
     # ---- resharding and prefetch --------------------------------------------------------------------
@@ -195,33 +194,35 @@ class FSDPModule(_TorchFSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for unit in _units_under(self, recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False keeps the parameters gathered from backward to the next forward (gradient
         accumulation without re-gathering); set True again before the optimizer step."""
         for unit in _units_under(self, recurse):
-            unit.reshard_after_backward = reshard_after_backward
+            unit.set_reshard_after_backward(reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this module's backward needs none of its parameters (e.g. an embedding), so
         they are not gathered again for it."""
-        self._unit.unshard_in_backward = unshard_in_backward
+        self._unit.set_unshard_in_backward(unshard_in_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """After this module's all-gather, issue those of `modules` (replaces the depth rule)."""
-        self._unit.forward_prefetch_units = _fsdp_units(modules, "set_modules_to_forward_prefetch")
+        self._unit.set_prefetch_units(
+            forward=_fsdp_units(modules, "set_modules_to_forward_prefetch"))
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
         """Before this module's backward, issue the all-gathers of `modules`."""
-        self._unit.backward_prefetch_units = _fsdp_units(modules, "set_modules_to_backward_prefetch")
+        self._unit.set_prefetch_units(
+            backward=_fsdp_units(modules, "set_modules_to_backward_prefetch"))
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The root's next all-gather waits for `event` instead of the whole compute stream
         (accelerators; on CPU the optimizer step has ended before the forward starts)."""
         unit = self._unit
         if unit.schedule is not None and not unit.schedule.standalone:
-            unit.schedule.post_optim_event = event
+            unit.schedule.set_post_optim_event(event)
 
     # ---- communication choices fsdp_ext does not offer ----------------------------------------------
     def set_custom_all_gather(self, comm) -> None:
@@ -261,7 +262,7 @@ class FSDPModule(_TorchFSDPModule):
                 continue
             if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
                 raise ValueError(f"{name} prefetch depth must be an int >= 0, got {depth!r}")
-            setattr(options, f"{name}_prefetch", depth)
+            options.update(**{f"{name}_prefetch": depth})
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module's, after a check of every key (strict) and global shape that raises before
@@ -315,6 +316,6 @@ def share_comm_ctx(modules: list) -> None:
     if not units:
         return
     if units[0].options.comm_ctx is None:
-        units[0].options.comm_ctx = {}
+        units[0].options.update(comm_ctx={})
     for unit in units[1:]:
-        unit.options.comm_ctx = units[0].options.comm_ctx
+        unit.options.update(comm_ctx=units[0].options.comm_ctx)

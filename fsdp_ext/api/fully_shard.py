@@ -65,16 +65,15 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
         shard = None
     if replicate is not None and dist.get_world_size(replicate) == 1:
         replicate = None
-    groups = comm.Groups(device=device, shard=shard, replicate=replicate,
-                         single_process=single_process)
+    post_forward, k = None, 1
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        k = reshard_after_forward
-        if k < 1:
-            raise ValueError(f"reshard_after_forward={k} must be >= 1")
-        if 1 < k < groups.shard_size:
-            groups.post_forward = process_groups.post_forward_group(shard, k, timeout)
-            groups.post_forward_size = k
-    return groups
+        if reshard_after_forward < 1:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward} must be >= 1")
+        if 1 < reshard_after_forward < (dist.get_world_size(shard) if shard is not None else 1):
+            k = reshard_after_forward
+            post_forward = process_groups.post_forward_group(shard, k, timeout)
+    return comm.Groups(device=device, shard=shard, replicate=replicate, post_forward=post_forward,
+                       post_forward_size=k, single_process=single_process)
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,

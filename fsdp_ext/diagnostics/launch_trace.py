@@ -272,7 +272,7 @@ class LaunchRecorder(StreamModel):
     def _start(self) -> None:
         recorder = runtime_trace.RECORDER
         self._recorder_was_enabled = recorder.enabled
-        recorder.enabled = True  # the unit names come from the runtime's timeline events
+        recorder.set_enabled(True)  # the unit names come from the runtime's timeline events
         self._marks_from = self._marks_start = len(recorder.events)
         self.recording = True
 
@@ -283,8 +283,8 @@ class LaunchRecorder(StreamModel):
         self._flush_marks()
         recorder = runtime_trace.RECORDER
         if not self._recorder_was_enabled:  # leave the runtime's recorder as it was
-            del recorder.events[self._marks_start:]
-            recorder.enabled = False
+            recorder.drop_from(self._marks_start)
+            recorder.set_enabled(False)
         self.recording, self.done = False, True
 
     def trace(self) -> LaunchTrace:

@@ -42,6 +42,9 @@ class Groups:
                    replicate=replicate if replicate is not None
                    and dist.get_world_size(replicate) > 1 else None)
 
+    def set_separate_reduce_scatter(self, group: dist.ProcessGroup | None) -> None:
+        self.separate_reduce_scatter = group
+
     @property
     def reduce_scatter(self) -> dist.ProcessGroup | None:
         return self.separate_reduce_scatter or self.shard

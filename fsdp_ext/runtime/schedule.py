@@ -291,6 +291,9 @@ class Schedule:
         """A registered method of the root raised: its forward is over."""
         self._forward_ended("a registered method's failure")
 
+    def set_post_optim_event(self, event) -> None:
+        self.post_optim_event = event
+
     def take_post_optim_event(self):
         event, self.post_optim_event = self.post_optim_event, None
         return event

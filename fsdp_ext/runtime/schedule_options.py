@@ -24,3 +24,10 @@ class ScheduleOptions:
     collective_timeout: float | None = None  # comm.collective_timeout's argument
     comm_ctx: dict | None = None        # share_comm_ctx: roots that share their streams
     is_last_backward: bool = True       # False: the backward's end leaves its reductions pending
+
+    def update(self, **values) -> None:
+        """A setter's change (api/fsdp_module.py: _schedule_options says which record)."""
+        for name, value in values.items():
+            if name not in self.__dataclass_fields__:
+                raise AttributeError(f"ScheduleOptions has no option {name!r}")
+            setattr(self, name, value)

@@ -32,6 +32,13 @@ class Recorder:
     def clear(self) -> None:
         self.events.clear()
 
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def drop_from(self, index: int) -> None:
+        """Forget the events from `index` on (a borrower's own, once it is done)."""
+        del self.events[index:]
+
 
 RECORDER = Recorder()
 

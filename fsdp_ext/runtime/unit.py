@@ -31,13 +31,14 @@ from .schedule import Schedule
 from .trace import RECORDER, begin_range, end_range, profiler_range, span
 from .unit_config import UnitConfig
 from .unit_lifecycle import UnitLifecycle
+from .unit_settings import UnitSettings
 from .unit_params import UnitParams
 from .unit_state import Installed, ShardedState, TrainingState, move
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
-class Unit(UnitLifecycle):
+class Unit(UnitLifecycle, UnitSettings):
     """`module` is one module, or a list of modules sharded together (torch's
     `fully_shard([m1, m2])`: one all-gather and one reduce-scatter for all of them; the
     pre-forward runs at the first of them to run, the post-forward once all of them ran);
@@ -49,22 +50,13 @@ class Unit(UnitLifecycle):
         self.config = config
         self.groups, self.mp, self.offload = config.groups, config.mp, config.offload
         self.options = config.schedule   # the schedule's if it becomes the root (schedule_options)
-        self.reshard_after_forward = config.reshard_after_forward  # set_reshard_after_forward
+        self._init_settings(config.reshard_after_forward)  # torch FSDPModule's set_* knobs
         self.name = ""                   # fully qualified name, set by the root at lazy init
         self.member_names = [""] * len(self.members)  # each member's, likewise
         self.schedule: Schedule | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
         self.method_depth = 0                # inside a register_fsdp_forward_method method
-        # torch FSDPModule's set_* knobs (api/fsdp_module.py says what each means)
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True      # HSDP: False defers the all-reduce (grads.py)
-        self.reshard_after_backward = True   # False: stay unsharded from backward to next forward
-        self.unshard_in_backward = True      # False: backward needs none of the parameters
-        self.gradient_divide_factor: float | None = None
-        self.all_reduce_hook = None          # hook(reduced shard) before the epilogue
-        self.forward_prefetch_units: list[Unit] | None = None   # explicit lists replace depth
-        self.backward_prefetch_units: list[Unit] | None = None
         self.mesh, self.buckets = build_unit_buckets(self.members, config)
         self.params = UnitParams(self.name, self.buckets, self.groups.device,
                                  self.mp.param_dtype, self.offload)
