@@ -203,4 +203,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from fsdp_ext import run_then_exit
+    run_then_exit(main)  # without interpreter finalization: see fsdp_ext/shutdown.py
