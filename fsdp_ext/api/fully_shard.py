@@ -48,12 +48,8 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
                  timeout) -> comm.Groups:
     shard = replicate = None
     if mesh is not None:
-        if mesh.ndim == 1:
-            shard = mesh.get_group(0)
-        elif mesh.ndim == 2:
-            replicate, shard = mesh.get_group(0), mesh.get_group(1)
-        else:
-            raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
+        of_mesh = comm.Groups.of_mesh(mesh, device)
+        shard, replicate = of_mesh.shard, of_mesh.replicate
     elif isinstance(process_group, tuple):
         shard, replicate = process_group
     elif process_group is not None:
@@ -61,10 +57,6 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
     elif dist.is_available() and dist.is_initialized():
         shard = dist.group.WORLD
     single_process = not (dist.is_available() and dist.is_initialized())  # (a mesh needs one)
-    if shard is not None and dist.get_world_size(shard) == 1:
-        shard = None
-    if replicate is not None and dist.get_world_size(replicate) == 1:
-        replicate = None
     post_forward, k = None, 1
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         if reshard_after_forward < 1:
@@ -72,8 +64,8 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
         if 1 < reshard_after_forward < (dist.get_world_size(shard) if shard is not None else 1):
             k = reshard_after_forward
             post_forward = process_groups.post_forward_group(shard, k, timeout)
-    return comm.Groups(device=device, shard=shard, replicate=replicate, post_forward=post_forward,
-                       post_forward_size=k, single_process=single_process)
+    return comm.Groups.over(device, shard, replicate, post_forward=post_forward,
+                            post_forward_size=k, single_process=single_process)
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,

@@ -30,17 +30,21 @@ class Groups:
     single_process: bool = False
 
     @classmethod
+    def over(cls, device: torch.device, shard, replicate, **others) -> "Groups":
+        """The groups of `shard` and `replicate` ranks; a group of one rank is none (nothing to
+        gather from, or to reduce with)."""
+        def several(group):
+            return group if group is not None and dist.get_world_size(group) > 1 else None
+        return cls(device=device, shard=several(shard), replicate=several(replicate), **others)
+
+    @classmethod
     def of_mesh(cls, mesh, device: torch.device) -> "Groups":
-        """A 1-D mesh's ranks shard; a 2-D mesh's first dim replicates, its second shards (HSDP).
-        A group of one rank is none."""
+        """A 1-D mesh's ranks shard; a 2-D mesh's first dim replicates, its second shards (HSDP)."""
         if mesh.ndim not in (1, 2):
             raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got "
                              f"{mesh.ndim}-D")
-        shard = mesh.get_group(mesh.ndim - 1)
-        replicate = mesh.get_group(0) if mesh.ndim == 2 else None
-        return cls(device=device, shard=shard if dist.get_world_size(shard) > 1 else None,
-                   replicate=replicate if replicate is not None
-                   and dist.get_world_size(replicate) > 1 else None)
+        return cls.over(device, mesh.get_group(mesh.ndim - 1),
+                        mesh.get_group(0) if mesh.ndim == 2 else None)
 
     def set_separate_reduce_scatter(self, group: dist.ProcessGroup | None) -> None:
         self.separate_reduce_scatter = group

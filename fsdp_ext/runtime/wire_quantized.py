@@ -123,16 +123,15 @@ class QuantizedWire(ExactWire):
         if fmt is None or chunks is not None or group is None:
             return super().gather_buffers(bucket, full, chunks, slot, world, group, shard)
         layout = self._starts_of(bucket, full.device)
-        gathers = []
+        gathers, mine = [], []  # (this rank's slot of each wire: its source, filled here)
         for gi, (target, source) in enumerate(zip(targets(bucket, full, world),
                                                   sources(bucket, shard))):
             stride, starts = layout.strides[gi], layout.tensors[gi]
             wire = torch.empty(world * stride, dtype=torch.uint8, device=full.device)
-            ops.quantize_into(source, wire.narrow(0, slot * stride, stride), starts[slot], fmt)
+            mine.append(wire.narrow(0, slot * stride, stride))
+            ops.quantize_into(source, mine[-1], starts[slot], fmt)
             gathers.append(QuantizedGather(target, wire, stride, starts, fmt))
-        wires = [g.wire for g in gathers]
-        return GatherBuffers(wires, [w.narrow(0, slot * (w.numel() // world), w.numel() // world)
-                                     for w in wires], _Dequantize(gathers))
+        return GatherBuffers([g.wire for g in gathers], mine, _Dequantize(gathers))
 
     def finish_gather(self, bucket, full, done) -> None:
         if isinstance(done, _Dequantize):  # (else an exact gather of this bucket)
