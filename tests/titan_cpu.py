@@ -186,6 +186,7 @@ def apply_cpu_shims() -> None:
     # read through the class (FlexAttention._compiled_flex_attn), so a plain function will do
     FlexAttention._compiled_flex_attn = _cpu_flex_attention()
     _force_sum_reduction_on_gloo()
+    _uneven_all_to_all_on_gloo()
 
 
 def _force_sum_reduction_on_gloo() -> None:
@@ -216,6 +217,30 @@ def _force_sum_reduction_on_gloo() -> None:
             logger.info(f"FSDP expert placements: {' '.join(sorted(experts))}")
 
     tt_fsdp.disable_fsdp_gradient_division = disable_division_and_force_sum
+
+
+def _uneven_all_to_all_on_gloo() -> None:
+    """Expert parallelism's token dispatch (spmd_types' uneven all_to_all) exchanges one tensor
+    per peer, each of its own row count; gloo's list all_to_all wants equal shapes ("invalid
+    tensor size"). Its all_to_all_single takes split sizes, so a list exchange with uneven shapes
+    goes through it: the same bytes to the same peers, for both implementations alike."""
+    import torch.distributed as dist
+
+    list_all_to_all = dist.all_to_all
+
+    def all_to_all(output_list, input_list, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in (*output_list, *input_list)}
+        if len(shapes) == 1 or dist.get_backend(group) != "gloo" or async_op:
+            return list_all_to_all(output_list, input_list, group=group, async_op=async_op)
+        sent = torch.cat([t.reshape(-1) for t in input_list])
+        received = torch.empty(sum(t.numel() for t in output_list), dtype=sent.dtype)
+        dist.all_to_all_single(received, sent, [t.numel() for t in output_list],
+                               [t.numel() for t in input_list], group=group)
+        for out, piece in zip(output_list, received.split([t.numel() for t in output_list])):
+            out.copy_(piece.view(out.shape))
+        return None
+
+    dist.all_to_all = all_to_all
 
 
 def use_fsdp_ext() -> None:

@@ -54,16 +54,16 @@ def spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int = 0) 
     return DTensorSpec(mesh, placements, tensor_meta=meta)
 
 
-def spec_with_tp(dp_mesh: DeviceMesh, tp_spec: DTensorSpec) -> DTensorSpec:
-    """A tensor-parallel parameter (a DTensor on its TP mesh) sharded again along dim 0 of its
-    local tensor on `dp_mesh`: the (dp, tp) mesh with the dp placement first, as torch's fully_shard
-    builds it. Where TP itself shards dim 0, chunking TP's local rows is a strided shard of the
-    global rows."""
+def spec_with_tp(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int = 0) -> DTensorSpec:
+    """A tensor- or expert-parallel parameter (a DTensor on its TP / EP mesh) sharded again along
+    `dim` of its local tensor on `dp_mesh`: the (dp, tp) mesh with the dp placement first, as torch's
+    fully_shard builds it. Where TP itself shards `dim`, chunking TP's local part is a strided
+    shard of the global one (EP's experts: Shard(0) over ep, then again over efsdp)."""
     if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
         raise NotImplementedError("fully_shard with tensor parallelism: 1-D data-parallel and TP "
                                   f"meshes only (got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D)")
-    split = tp_spec.num_shards_map[0]
-    dp = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    split = tp_spec.num_shards_map[dim]
+    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     return DTensorSpec(DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), (dp, *tp_spec.placements),
                        tensor_meta=tp_spec.tensor_meta)
 

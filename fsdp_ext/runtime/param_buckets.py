@@ -8,6 +8,8 @@ process group, the user's parameters are replaced by DTensor parameters over thi
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -70,10 +72,13 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
         if extension:
             _check_extension_param(slot, modules[slot.member], layout, mesh)
-        own = None
+        own, model_parallel = None, None
         if layout == "rows":
-            dims[id(slot)], own = resolve(shard_placement_fn, slot, modules[slot.member],
-                                          extension, mesh)
+            dim, own, model_parallel = resolve(shard_placement_fn, slot, modules[slot.member],
+                                               extension, mesh)
+            if model_parallel is not None:  # annotated plain tensor: a TP part, computed plain
+                slot = replace(slot, tp_spec=model_parallel, computes_local=True)
+            dims[id(slot)] = dim
         if own is not None:
             own = meshes.setdefault(own, own)
         by_key.setdefault((own, slot.param.dtype,
@@ -94,7 +99,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
                                         [dims[id(s)] for s in bucket_slots])
         spec_of = None
         if layout == "rows" and bucket_mesh is not None:
-            specs = [dtensor_params.spec_with_tp(bucket_mesh, s.tp_spec) if s.tp_spec is not None
+            specs = [dtensor_params.spec_with_tp(bucket_mesh, s.tp_spec, dims[id(s)]) if s.tp_spec is not None
                      else dtensor_params.spec(bucket_mesh, s.shape, dtype, dims[id(s)])
                      for s in bucket_slots]
             spec_of = specs.__getitem__

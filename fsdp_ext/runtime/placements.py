@@ -8,13 +8,21 @@ read as torch's fully_shard reads it.
     ShardPlacementResult(p, info)    torch 2.14's per-parameter mesh: `p` (Shard(dim) or None)
                                      over `info.mesh`, an FSDPMeshInfo (1-D mesh) or HSDPMeshInfo
                                      (2-D: replicate, shard), as torch's _get_mesh_info makes them
+                                     (with `dp_mesh_dims`, as torchtitan's spmd_types backend
+                                     makes them: the data-parallel submesh of a storage mesh
+                                     whose other axis, e.g. `ep`, spmd_params.py reads)
     MeshPlacement(p, mesh)           the same without torch's internals: a 1-D or 2-D DeviceMesh
 
 A unit's parameters on other meshes form buckets of their own (param_buckets.py), gathered and
 reduced over their mesh's groups. Refused at the call, naming the parameter: a dim out of range;
 another placement type; a mesh that does not hold this rank; a mesh-info of another kind (DDP
-only, or SPMD dims); Shard(dim > 0) or another mesh for a tensor-parallel or tensor-subclass
-parameter.
+only); Shard(dim > 0) or another mesh for a tensor-subclass parameter; a 2-D
+mesh of its own for a tensor- or expert-parallel (DTensor) parameter.
+
+A tensor- or expert-parallel parameter (a DTensor on its TP / EP mesh, as torchtitan's
+expert parallelism makes the routed experts) is sharded along `dim` of its local tensor over its
+data-parallel mesh (with EP: the expert-FSDP mesh `efsdp`), as torch's fully_shard shards it:
+dtensor_params.spec_with_tp.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
+
+from .spmd_params import model_parallel_spec
 
 
 @dataclass(frozen=True)
@@ -33,15 +43,19 @@ class MeshPlacement:
     mesh: object
 
 
-def resolve(shard_placement_fn, slot, module, subclass: bool, unit_mesh) -> tuple[int, object]:
-    """(the shard dim, the mesh, None for the unit's) of `slot`'s parameter (of `module`)."""
+def resolve(shard_placement_fn, slot, module, subclass: bool,
+            unit_mesh) -> tuple[int, object, object]:
+    """(the shard dim, the mesh, None for the unit's, and the model-parallel spec its mesh-info's
+    named SPMD axes give, or None: spmd_params.py) of `slot`'s parameter (of `module`)."""
     if shard_placement_fn is None:
-        return 0, None
+        return 0, None, None
     where = f"fully_shard({type(module).__name__}): shard_placement_fn for parameter '{slot.fqn}'"
     result = shard_placement_fn(slot.param)
-    placement, mesh = result, None
+    placement, mesh, model_parallel = result, None, None
     if type(result).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh_info)
         placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
+        if getattr(result.mesh_info, "dp_mesh_dims", None) is not None:
+            model_parallel = model_parallel_spec(slot.param, result.mesh_info, where)
     elif isinstance(result, MeshPlacement):
         placement, mesh = result.placement, result.mesh
         if mesh is None or mesh.ndim not in (1, 2):
@@ -54,12 +68,15 @@ def resolve(shard_placement_fn, slot, module, subclass: bool, unit_mesh) -> tupl
         raise ValueError(f"{where} returned a mesh over ranks {mesh.mesh.flatten().tolist()}, "
                          f"which does not hold rank {dist.get_rank()}: every rank that runs "
                          "fully_shard on this module must be in each parameter's mesh")
-    if (dim or mesh is not None) and (slot.tp_spec is not None or subclass):
-        kind = "tensor-parallel" if slot.tp_spec is not None else "tensor-subclass"
+    if (dim or mesh is not None) and subclass:
         raise NotImplementedError(f"{where} asks for Shard({dim}) on a mesh of its own or a "
-                                  f"dim > 0: a {kind} parameter is sharded along dim 0 over the "
-                                  "unit's mesh only")
-    return dim, mesh
+                                  "dim > 0: a tensor-subclass parameter is sharded along dim 0 "
+                                  "over the unit's mesh only")
+    if mesh is not None and (slot.tp_spec or model_parallel) is not None and mesh.ndim == 2:
+        raise NotImplementedError(f"{where} puts a tensor- or expert-parallel parameter on a 2-D "
+                                  "(replicate, shard) mesh of its own: fsdp_ext shards such "
+                                  "parameters over a 1-D data-parallel mesh")
+    return dim, mesh, model_parallel
 
 
 def _dim(placement, slot, where: str) -> int:
@@ -83,10 +100,6 @@ def _mesh_of(mesh_info, where: str):
         raise TypeError(f"{where} returned a ShardPlacementResult whose mesh_info is a "
                         f"{type(mesh_info).__name__}; expected torch's FSDPMeshInfo or "
                         "HSDPMeshInfo (_fsdp_init._get_mesh_info makes them)")
-    if getattr(mesh_info, "dp_mesh_dims", None) is not None:
-        raise NotImplementedError(f"{where}: a mesh-info over named SPMD axes (dp_mesh_dims) as a "
-                                  "parameter's own mesh is not supported; give the data-parallel "
-                                  "submesh (FSDPMeshInfo(mesh, shard_mesh_dim=0))")
     mesh, hybrid = mesh_info.mesh, "HSDPMeshInfo" in kinds
     expected = (2, 1, 0) if hybrid else (1, 0, None)
     if (mesh.ndim, mesh_info.shard_mesh_dim, mesh_info.replicate_mesh_dim) != expected:

@@ -182,8 +182,11 @@ class UnitParams:
 
 
 def _tp(view: torch.Tensor, slot) -> torch.Tensor:
-    """Tensor parallel: the module computes with DTensors over the gathered view."""
-    return view if slot.tp_spec is None else dtensor_params.tp_view(view, slot.tp_spec)
+    """Tensor parallel: the module computes with DTensors over the gathered view (a part given
+    as an annotated plain tensor is computed with as it was given: spmd_params.py)."""
+    if slot.tp_spec is None or slot.computes_local:
+        return view
+    return dtensor_params.tp_view(view, slot.tp_spec)
 
 
 def _install(slot, tensor: torch.Tensor) -> None:

@@ -1,0 +1,85 @@
+"""Parameters of torchtitan's `spmd_types` backend on a mesh of their own (its routed experts under
+expert parallelism): plain tensors holding this rank's part of the weight, annotated with
+spmd_types on the axes of a storage mesh, which a ShardPlacementResult's mesh-info names with
+`dp_mesh_dims` (`efsdp` data-parallel; `ep` not).
+
+The data-parallel axes are fsdp_ext's to shard over (the mesh-info's `mesh`); what the annotations
+say of the one other axis with several ranks becomes the parameter's model-parallel spec, the
+part a tensor-parallel DTensor carries itself: e.g. an expert weight `S(0)` over `ep` holds its
+experts' rows, so its DTensor face is (Shard(dim) over efsdp, Shard(0) over ep), as torch's
+fully_shard stores it. The module computes with the plain gathered tensor, as it was given.
+
+Taken: `S(dim)` (a shard; its gradient stays sharded) and `I` (invariant: the same values, and
+gradient, on every rank of the axis). Refused naming the parameter: `R` or `P` on that axis
+(its gradient would need a reduction over it, which is the model's own to do), a plain `V`, a
+DTensor on the storage mesh (torchtitan's full_dtensor backend), and several such axes.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+
+def model_parallel_spec(param: torch.Tensor, mesh_info, where: str) -> DTensorSpec | None:
+    """The DTensorSpec of `param` over the non-data-parallel axis of `mesh_info.spmd_mesh` that
+    has several ranks; None where there is none (the parameter is whole there)."""
+    mesh, dims = mesh_info.spmd_mesh, mesh_info.dp_mesh_dims
+    names = mesh.mesh_dim_names
+    data_parallel = {*dims.shard_names, *dims.replicate_names}
+    others = [n for n in names if n not in data_parallel and mesh.size(names.index(n)) > 1]
+    if not others:
+        return None
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"{where} is a DTensor on {param.device_mesh} ({param.placements}) with a mesh-info "
+            "over named SPMD axes; fsdp_ext takes plain parameters annotated with spmd_types "
+            "there (torchtitan's spmd_types backend) or DTensors on the model-parallel mesh with "
+            "a data-parallel mesh-info (its partial_dtensor backend), not its full_dtensor one")
+    if len(others) > 1:
+        raise NotImplementedError(f"{where}: its mesh-info's storage mesh has {len(others)} axes "
+                                  f"besides the data-parallel ones with several ranks {others}; "
+                                  "fsdp_ext takes one (expert or tensor parallel)")
+    axis_name = others[0]
+    kind = _annotation(param, mesh, axis_name, where)
+    placement = _placement(kind, axis_name, where)
+    size = mesh.size(names.index(axis_name))
+    shape = list(param.shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim] *= size
+    shape = torch.Size(shape)
+    meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), param.dtype)
+    return DTensorSpec(mesh[axis_name], (placement,), tensor_meta=meta)
+
+
+def _annotation(param: torch.Tensor, mesh, axis_name: str, where: str):
+    try:
+        import spmd_types as spmd
+        from spmd_types.runtime import get_partition_spec
+        from spmd_types.types import partition_spec_to_shard_types
+    except ImportError as exc:
+        raise NotImplementedError(f"{where}: a mesh-info over named SPMD axes with a "
+                                  f"model-parallel axis '{axis_name}' needs spmd_types") from exc
+    kinds = dict(spmd.get_local_type(param))
+    spec = get_partition_spec(param)
+    if spec is not None:
+        kinds.update(partition_spec_to_shard_types(spec))
+    kind = kinds.get(spmd.MeshAxis.of(mesh.get_group(axis_name)))
+    if kind is None:
+        raise ValueError(f"{where} has no spmd_types annotation on the storage mesh's axis "
+                         f"'{axis_name}' (annotated: {kinds}); annotate it (S(dim) or I), as "
+                         "torch's fully_shard requires too")
+    return kind
+
+
+def _placement(kind, axis_name: str, where: str):
+    import spmd_types as spmd
+
+    if kind is spmd.I:
+        return Replicate()
+    if isinstance(kind, spmd.S):
+        return Shard(kind.dim)
+    raise NotImplementedError(
+        f"{where} is {kind} on the model-parallel axis '{axis_name}'; fsdp_ext takes S(dim) "
+        "(sharded there) or I (invariant) on it: R and P would leave a gradient reduction over "
+        "that axis, a plain V says nothing of which dim is split")
