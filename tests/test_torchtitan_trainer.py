@@ -5,7 +5,9 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
 
 - the losses, the largest per-rank loss and the gradient norm agree bitwise every step;
 - a checkpoint saved by one implementation at step 3 resumes under the other, and the resumed
-  run's steps 4-6 agree bitwise with the uninterrupted runs' (both directions).
+  run's steps 4-6 agree bitwise with the uninterrupted runs' (both directions);
+- the same for its Qwen3 MoE (EP 1 at world 2 and 4; EP 2 at world 4, on its default spmd_types
+  backend and its partial_dtensor one, with a checkpoint resumed across implementations).
 """
 from __future__ import annotations
 
@@ -87,3 +89,45 @@ def test_torchtitan_trainer_qwen3_moe_matches_torch_fsdp2(tmp_path, world_size, 
         assert sorted(runs[impl]) == [1, 2, 3, 4]
     assert runs["fsdp_ext"] == runs["torch"]
     assert runs["torch"][4][0] < runs["torch"][1][0]        # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,num_experts,top_k,placement,resume", [
+    # torchtitan's default backend: experts are plain tensors annotated S(0) on `ep`, their
+    # mesh-info names the sparse mesh's axes (dp_mesh_dims); 2 experts < efsdp x ep: Shard(1)
+    ("spmd_types", 2, 1, "(Shard(dim=1), Shard(dim=0))", True),
+    # experts are DTensors Shard(0) on `ep`, their mesh-info the 1-D efsdp mesh; 4 experts:
+    # Shard(0) again over efsdp, a strided shard of the global rows
+    ("partial_dtensor", 4, 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))", False),
+])
+def test_torchtitan_trainer_qwen3_moe_ep2_matches_torch_fsdp2(tmp_path, backend, num_experts,
+                                                              top_k, placement, resume):
+    """Expert parallelism: Qwen3 MoE at world 4 with EP 2 (torchtitan's token all-to-all over
+    `ep`; apply_fsdp_to_decoder shards the routed experts over `efsdp` through per-parameter
+    meshes, the rest over the 4 ranks): losses and gradient norms bitwise equal to torch's FSDP2
+    every step; on the default backend, a step-2 checkpoint of either implementation resumes
+    under the other with steps 3-4 bitwise equal."""
+    assets = make_assets(str(tmp_path / "assets"))
+    base = qwen3_moe(num_experts, top_k) + ["--parallelism.expert_parallel_degree", "2",
+                                            "--parallelism.spmd_backend", backend]
+    save = ["--checkpoint.enable", "--checkpoint.interval", "2"] if resume else []
+    runs = {}
+    for impl in ("torch", "fsdp_ext"):
+        records, log = launch(impl, str(tmp_path / impl), assets, ["--training.steps", "4", *save],
+                              world_size=4, base=base)
+        assert f"FSDP implementation: {impl} (" in log
+        assert f"FSDP expert placements: {placement}" in log
+        runs[impl] = _trajectory(records)
+        assert sorted(runs[impl]) == [1, 2, 3, 4]
+    assert runs["fsdp_ext"] == runs["torch"]
+    assert runs["torch"][4][0] < runs["torch"][1][0]        # it trains
+    if not resume:
+        return
+    for source, impl in (("torch", "fsdp_ext"), ("fsdp_ext", "torch")):
+        args = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.load_only",
+                "--checkpoint.folder", str(tmp_path / source / "checkpoint"),
+                "--checkpoint.load_step", "2"]
+        records, _ = launch(impl, str(tmp_path / f"{impl}_from_{source}"), assets, args,
+                            world_size=4, base=base)
+        assert _trajectory(records) == {s: v for s, v in runs["torch"].items() if s > 2}, \
+            f"{impl} from {source}'s step 2"
