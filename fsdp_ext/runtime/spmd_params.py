@@ -32,7 +32,7 @@ def model_parallel_spec(param: torch.Tensor, mesh_info, where: str) -> DTensorSp
         return None
     if isinstance(param, DTensor):
         raise NotImplementedError(
-            f"{where} is a DTensor on {param.device_mesh} ({param.placements}) with a mesh-info "
+            f"{where}: a DTensor on {param.device_mesh} ({param.placements}) with a mesh-info "
             "over named SPMD axes; fsdp_ext takes plain parameters annotated with spmd_types "
             "there (torchtitan's spmd_types backend) or DTensors on the model-parallel mesh with "
             "a data-parallel mesh-info (its partial_dtensor backend), not its full_dtensor one")
@@ -66,7 +66,7 @@ def _annotation(param: torch.Tensor, mesh, axis_name: str, where: str):
         kinds.update(partition_spec_to_shard_types(spec))
     kind = kinds.get(spmd.MeshAxis.of(mesh.get_group(axis_name)))
     if kind is None:
-        raise ValueError(f"{where} has no spmd_types annotation on the storage mesh's axis "
+        raise ValueError(f"{where}: no spmd_types annotation on the storage mesh's axis "
                          f"'{axis_name}' (annotated: {kinds}); annotate it (S(dim) or I), as "
                          "torch's fully_shard requires too")
     return kind
@@ -80,6 +80,7 @@ def _placement(kind, axis_name: str, where: str):
     if isinstance(kind, spmd.S):
         return Shard(kind.dim)
     raise NotImplementedError(
-        f"{where} is {kind} on the model-parallel axis '{axis_name}'; fsdp_ext takes S(dim) "
+        f"{where}: annotated {getattr(kind, 'name', kind)} on the model-parallel axis "
+        f"'{axis_name}'; fsdp_ext takes S(dim) "
         "(sharded there) or I (invariant) on it: R and P would leave a gradient reduction over "
         "that axis, a plain V says nothing of which dim is split")
