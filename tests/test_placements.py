@@ -5,8 +5,8 @@ and along the last dim, beside Shard(0) parameters of the same unit. Losses, gra
 parameters, placements and local shapes equal torch's; mixed precision, CPU offload,
 clip_grad_norm_, reshard_after_forward=k and state dicts both ways; uneven sizes (which torch
 refuses for dim > 0) against the unwrapped model; experts on a mesh of their own (torch 2.14's
-ShardPlacementResult with FSDPMeshInfo or HSDPMeshInfo, and fsdp_ext's MeshPlacement); bad
-placements refused naming the parameter."""
+ShardPlacementResult with FSDPMeshInfo or HSDPMeshInfo, and fsdp_ext's MeshPlacement), with CPU
+offload and reshard_after_forward=k too; bad placements refused naming the parameter."""
 from __future__ import annotations
 
 import pytest
@@ -186,13 +186,51 @@ def check_own_mesh_refusals(rank, world):
     with pytest.raises(TypeError, match=r"'experts.w1'.*mesh_info is a DDPMeshInfo"):
         fsdp_ext.fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: (
             ShardPlacementResult(Shard(0), ddp) if p.dim() == 3 else None))
-    with pytest.raises(NotImplementedError, match=r"'experts.w1' is sharded over a mesh of its "
-                                                  r"own.*CPU offload"):
-        fsdp_ext.fully_shard(block, mesh=mesh, offload_policy=torch_fsdp.CPUOffloadPolicy(),
-                             shard_placement_fn=lambda p: (
-                                 fsdp_ext.MeshPlacement(None, split["efsdp"])
-                                 if p.dim() == 3 else None))
     assert not isinstance(block, fsdp_ext.FSDPModule)
+
+
+def check_own_mesh_offload(rank, world):
+    """CPU offload with experts on a mesh of their own: their host shards gathered in the
+    unit's second all-gather."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    mesh, split = _expert_meshes(world)
+    efsdp = FSDPMeshInfo(split["efsdp"], shard_mesh_dim=0)
+    _against_torch("experts on their own mesh, CPU offload", rank, world, mesh=mesh,
+                   placement_fn=lambda p: (ShardPlacementResult(Shard(1), efsdp)
+                                           if p.dim() == 3 else None),
+                   offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False))
+
+
+def check_own_mesh_reshard_after_forward_k(rank, world):
+    """reshard_after_forward=2 applied per mesh, as torch applies it: on the efsdp mesh of 2
+    ranks every rank keeps its own shard after forward; on a 4-rank mesh of another order, the
+    chunks of its own post-forward pairs. Against torch (Shard(0); torch 2.14 fails Shard(1) with
+    an int, see check_reshard_after_forward_k) and against reshard_after_forward=True."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    mesh, split = _expert_meshes(world)
+    efsdp = FSDPMeshInfo(split["efsdp"], shard_mesh_dim=0)
+    reordered = DeviceMesh("cpu", torch.tensor([0, 2, 1, 3]))
+    for dim in (0, 1):
+        for what, fn in (("efsdp", lambda p: ShardPlacementResult(Shard(dim), efsdp)
+                          if p.dim() == 3 else None),
+                         ("reordered", lambda p: fsdp_ext.MeshPlacement(Shard(dim), reordered)
+                          if p.dim() == 3 else None)):
+            ours = scripts.train(fsdp_ext, rank, world, placement_fn=fn, mesh=mesh,
+                                 reshard_after_forward=2)
+            _same(f"{what} mesh, Shard({dim}), reshard_after_forward=2 vs True", ours,
+                  scripts.train(fsdp_ext, rank, world, placement_fn=fn, mesh=mesh))
+            if dim == 0 and what == "efsdp":
+                _same("efsdp mesh, Shard(0), reshard_after_forward=2 vs torch", ours,
+                      scripts.train(torch_fsdp, rank, world, placement_fn=fn, mesh=mesh,
+                                    reshard_after_forward=2))
+    from torch.distributed.device_mesh import init_device_mesh
+    alone = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "efsdp"))["efsdp"]
+    block = scripts.build().blocks[0]
+    with pytest.raises(ValueError, match=r"'experts.w1' is sharded over a mesh of its own with 1 "
+                                         r"shard ranks, which reshard_after_forward=2 does not"):
+        fsdp_ext.fully_shard(block, mesh=mesh, reshard_after_forward=2, shard_placement_fn=(
+            lambda p: fsdp_ext.MeshPlacement(None, alone) if p.dim() == 3 else None))
 
 
 def _world_2(rank, world, directory):
@@ -200,13 +238,14 @@ def _world_2(rank, world, directory):
         check_state_paths(rank, world, directory)
     run_checks([check_dim_1, check_last_dim_and_clip, check_state_dicts_both_ways,
                 check_state_paths_here, check_bad_placements, check_own_meshes,
-                check_own_mesh_refusals], rank, world)
+                check_own_mesh_refusals, check_own_mesh_offload], rank, world)
 
 
 def _world_4(rank, world):
     run_checks([check_dim_1, check_last_dim_and_clip, check_mixed_precision, check_offload,
                 check_state_dicts_both_ways, check_uneven_against_the_unwrapped_model,
-                check_reshard_after_forward_k, check_own_meshes], rank, world)
+                check_reshard_after_forward_k, check_own_meshes, check_own_mesh_offload,
+                check_own_mesh_reshard_after_forward_k], rank, world)
 
 
 def test_shard_dim_placements_match_torch_world_2(tmp_path):

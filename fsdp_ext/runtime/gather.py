@@ -37,6 +37,11 @@ class InFlightGather:
     buckets: list = field(default_factory=list)
     name: str = ""                              # the unit's, for the profiler
 
+    @property
+    def event(self):
+        """Recorded on the all-gather stream once its copies are issued."""
+        return self.pending.event
+
     def finish(self) -> None:
         self.pending.wait()
         to_finish, self.to_finish = self.to_finish, None
@@ -49,6 +54,11 @@ class InFlightGathers:
 
     def __init__(self, parts: list[InFlightGather]):
         self.parts, self.kind = parts, parts[0].kind
+
+    @property
+    def event(self):
+        """The last part's: issued last on the same stream, it follows every part's copies."""
+        return self.parts[-1].event
 
     def finish(self) -> None:
         for part in self.parts:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from . import comm, dtensor_params
+from . import comm, dtensor_params, process_groups
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
@@ -44,21 +44,16 @@ def build_unit_buckets(members: list[nn.Module], config):
                                         groups.device) if layout == "rows" else None)
     direct_min_numel = (config.direct_min_numel or config.env.direct_min_numel
                         or DIRECT_MIN_NUMEL)
+    timeout = comm.collective_timeout(config.schedule.collective_timeout,
+                                      config.env.collective_timeout)
     buckets = build_buckets(members, groups, layout, mesh, direct_min_numel,
-                            config.ignored_params, config.shard_placement_fn)
-    own = [b for b in buckets if b.groups is not groups]
-    if own and (config.offload is not None or groups.post_forward_size > 1):
-        what = "CPU offload" if config.offload is not None else "reshard_after_forward=int"
-        raise NotImplementedError(
-            f"fully_shard({type(members[0]).__name__}): parameter '{own[0].slots[0].fqn}' is "
-            f"sharded over a mesh of its own (shard_placement_fn), which {what} does not support "
-            "yet; shard this module without it, or on the unit's mesh")
+                            config.ignored_params, config.shard_placement_fn, timeout)
     return mesh, buckets
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
                   direct_min_numel: int, ignored: set[int] = frozenset(),
-                  shard_placement_fn=None) -> list[Bucket]:
+                  shard_placement_fn=None, timeout=None) -> list[Bucket]:
     """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
     ids) by (mesh, dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`,
     rows are DTensors on it, each sharded along the dim, and over the mesh, that
@@ -68,6 +63,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
     by_key: dict[tuple, list[ParamSlot]] = {}
     dims: dict[int, int] = {}  # id(slot) -> its shard dim (rows layout)
     meshes: dict[object, object] = {}  # a parameter's own mesh (equal meshes: one key) -> itself
+    first_on: dict[object, str] = {}  # own mesh -> the first parameter on it (for errors)
     for slot in slots:  # visit order: a module's own parameters, then its children's
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
         if extension:
@@ -81,12 +77,15 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
             dims[id(slot)] = dim
         if own is not None:
             own = meshes.setdefault(own, own)
+            first_on.setdefault(own, f"fully_shard({type(modules[slot.member]).__name__}): "
+                                     f"parameter '{slot.fqn}'")
         by_key.setdefault((own, slot.param.dtype,
                            slot.param.requires_grad, extension), []).append(slot)
     for slot in slots:
         mark_owner(slot.param, f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
     buckets = []
-    bucket_groups = {key: comm.Groups.of_mesh(m, groups.device) for key, m in meshes.items()}
+    bucket_groups = {key: _own_groups(m, groups, timeout, first_on[key])
+                     for key, m in meshes.items()}
     for (mesh_key, dtype, requires_grad, extension), bucket_slots in by_key.items():
         on = bucket_groups.get(mesh_key, groups)
         bucket_mesh = meshes.get(mesh_key, mesh)
@@ -108,6 +107,23 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, wire, on,
                               spec_of))
     return buckets
+
+
+def _own_groups(mesh, unit_groups: comm.Groups, timeout, where: str) -> comm.Groups:
+    """The groups of a parameter's own mesh, with the unit's `reshard_after_forward=k` applied to
+    its shard group as torch applies it per mesh: k must divide that mesh's shard size, and k
+    equal to it keeps this rank's own shard as its post-forward chunk (regathered over the
+    shard group)."""
+    own = comm.Groups.of_mesh(mesh, unit_groups.device)
+    k = unit_groups.post_forward_size
+    if k == 1:
+        return own
+    if own.shard_size % k:
+        raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
+                         f"shard ranks, which reshard_after_forward={k} does not divide")
+    post_forward = (own.shard if k == own.shard_size
+                    else process_groups.post_forward_group(own.shard, k, timeout))
+    return replace(own, post_forward=post_forward, post_forward_size=k)
 
 
 def init_sharded_state(buckets: list[Bucket], device: torch.device, offload,

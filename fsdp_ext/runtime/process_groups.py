@@ -146,8 +146,8 @@ def make_issue_thread_groups(units, issue_thread: bool,
     if not issue_thread:
         return
     for unit in units:
-        for group in (unit.groups.shard, unit.groups.post_forward,
-                      *(b.groups.shard for b in unit.buckets)):  # (own meshes: placements.py)
+        for group in (unit.groups.shard, unit.groups.post_forward,  # (own meshes: placements.py)
+                      *(g for b in unit.buckets for g in (b.groups.shard, b.groups.post_forward))):
             issue_thread_group(group, timeout)
 
 

@@ -155,7 +155,7 @@ class Unit(UnitLifecycle, UnitSettings):
         in_flight = in_flights[0] if len(in_flights) == 1 else gather.InFlightGathers(in_flights)
         self.params.started_unshard(in_flight)
         if self.offload is not None and chunks is None:  # it reads the host shards
-            schedule.host_reads.note_read(in_flight.pending.event)
+            schedule.host_reads.note_read(in_flight.event)
         RECORDER.add(f"{kind}.issued", self.name)  # launched: collective queued
         schedule.note_unshard(self)
 
@@ -191,8 +191,7 @@ class Unit(UnitLifecycle, UnitSettings):
         keep = (k > 1 and self.groups.post_forward is not None and self.schedule.in_forward
                 and torch.is_grad_enabled())
         # reshard_after_forward=k: keep 1/k of the unit for a cheaper regather
-        self.params.free((self.groups.shard_size, k, self.groups.post_forward_rank) if keep
-                         else None)
+        self.params.free(keep)
         self.schedule.note_reshard(self)
         RECORDER.add("reshard", self.name)
 

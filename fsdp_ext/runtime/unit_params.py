@@ -96,13 +96,15 @@ class UnitParams:
         move(self, "sharded_state", ShardedState.UNSHARDED, (ShardedState.UNSHARDING,),
              "the all-gather's wait")
 
-    def free(self, keep_chunks: tuple[int, int, int] | None) -> None:
-        """UNSHARDED -> SHARDED, releasing the buffers; `keep_chunks` (world, k, index): keep this
-        rank's 1/k chunk first (SHARDED_POST_FORWARD)."""
-        if keep_chunks is not None:
-            world, k, index = keep_chunks
+    def free(self, keep_chunks: bool) -> None:
+        """UNSHARDED -> SHARDED, releasing the buffers; `keep_chunks`: keep this rank's 1/k
+        chunk of each bucket first, k and the chunk's index those of the bucket's post-forward
+        group (its unit's, or its own mesh's) (SHARDED_POST_FORWARD)."""
+        if keep_chunks:
             for bucket in self.buckets:
-                bucket.keep_chunks(world, k, index, gather.post_forward_chunks)
+                on = bucket.groups
+                bucket.keep_chunks(on.shard_size, on.post_forward_size, on.post_forward_rank,
+                                   gather.post_forward_chunks)
         for bucket in self.buckets:
             bucket.free_gathered()
         move(self, "sharded_state", ShardedState.SHARDED_POST_FORWARD if keep_chunks else
