@@ -140,6 +140,19 @@ def comm_policy(rank: int, world_size: int) -> None:
         assert all(abs(a - b) <= 0.01 * b for a, b in zip(losses[2:], exact[2:])), (losses, exact)
 
 
+def own_meshes(rank: int, world_size: int) -> None:
+    """Parameters on meshes of their own (one all-gather per mesh per unit): Shard(1) experts
+    over an efsdp mesh, with CPU offload, with reshard_after_forward=2 (world 4), and expert-
+    parallel weights split over ep and sharded again over efsdp; each against torch's
+    fully_shard on the same script."""
+    from . import test_expert_parallel, test_placements
+    test_placements.check_own_meshes(rank, world_size)
+    test_placements.check_own_mesh_offload(rank, world_size, pin_memory=True)
+    test_expert_parallel.check_spmd_types_shard0(rank, world_size)
+    if world_size == 4:
+        test_placements.check_own_mesh_reshard_after_forward_k(rank, world_size)
+
+
 def scenarios(world_size: int) -> list[tuple[str, object]]:
     """(label, fn(rank, world_size)) for every scenario run under the model at `world_size`."""
     out = [(case.name, lambda r, w, case=case: parity.run_case(case, r, w))
@@ -164,7 +177,7 @@ def scenarios(world_size: int) -> list[tuple[str, object]]:
             ("prefetch_depths", prefetch_depths), ("explicit_async_unshard", explicit_async_unshard),
             ("offload_then_host_update", offload_then_host_update),
             ("tensor_subclass_params", tensor_subclass_params),
-            ("comm_policy", comm_policy)]
+            ("comm_policy", comm_policy), ("own_meshes", own_meshes)]
     if world_size == 4:
         out.append(("fsdp_x_tp", tensor_parallel))
     return out

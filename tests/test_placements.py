@@ -189,16 +189,21 @@ def check_own_mesh_refusals(rank, world):
     assert not isinstance(block, fsdp_ext.FSDPModule)
 
 
-def check_own_mesh_offload(rank, world):
+def check_own_mesh_offload(rank, world, pin_memory: bool = False):
     """CPU offload with experts on a mesh of their own: their host shards gathered in the
-    unit's second all-gather."""
+    unit's second all-gather (`pin_memory` for fsdp_ext: the stream-order scenario's; torch's
+    host shards stay pageable, which pinning does not change the numbers of)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     mesh, split = _expert_meshes(world)
     efsdp = FSDPMeshInfo(split["efsdp"], shard_mesh_dim=0)
-    _against_torch("experts on their own mesh, CPU offload", rank, world, mesh=mesh,
-                   placement_fn=lambda p: (ShardPlacementResult(Shard(1), efsdp)
-                                           if p.dim() == 3 else None),
-                   offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False))
+
+    def placement_fn(p):
+        return ShardPlacementResult(Shard(1), efsdp) if p.dim() == 3 else None
+    _same("experts on their own mesh, CPU offload",
+          scripts.train(fsdp_ext, rank, world, mesh=mesh, placement_fn=placement_fn,
+                        offload_policy=fsdp_ext.CPUOffloadPolicy(pin_memory=pin_memory)),
+          scripts.train(torch_fsdp, rank, world, mesh=mesh, placement_fn=placement_fn,
+                        offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False)))
 
 
 def check_own_mesh_reshard_after_forward_k(rank, world):
