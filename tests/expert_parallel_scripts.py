@@ -9,6 +9,8 @@ implementation (`fsdp`: torch.distributed.fsdp or fsdp_ext), in torchtitan's two
     "spmd_types"  the experts are plain tensors annotated R on `efsdp` and S(0) on `ep`; their
                   mesh-info names the axes of the (efsdp, ep) mesh with dp_mesh_dims
                   (torchtitan's default spmd_types backend)
+    "storage"     the experts are DTensors (Replicate(), Shard(0)) on the (efsdp, ep) mesh, with
+                  that mesh-info (torchtitan's full_dtensor backend)
 
 There is no token dispatch: every token goes through each of the rank's own experts, so ranks of
 one `ep` group compute with different experts; what is compared is the two implementations on
@@ -20,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 EXPERTS, DIM, HIDDEN = 4, 8, 16
 
@@ -87,6 +89,9 @@ def split_experts(model: Model, sparse, spelling: str) -> set:
             mine = full.chunk(size)[rank].clone()
             if spelling == "dtensor":
                 param = nn.Parameter(DTensor.from_local(mine, ep, [Shard(0)], run_check=False))
+            elif spelling == "storage":
+                param = nn.Parameter(DTensor.from_local(mine, sparse, [Replicate(), Shard(0)],
+                                                        run_check=False))
             else:
                 import spmd_types as spmd
                 param = nn.Parameter(mine)

@@ -1,7 +1,7 @@
 """`fully_shard(mesh=<SPMD mesh>, dp_mesh_dims=...)` (torchtitan's default `spmd_types` backend
 passes its dense storage mesh so) under torch's fully_shard and fsdp_ext's on the same script: the
-parameters plain tensors annotated `R` on every axis, as that backend leaves them. One shard axis
-(world 2); HSDP (dp_replicate=2, dp_shard=2), two shard axes flattened (dp_shard=2, cp=2) and
+parameters plain tensors annotated `R` on every axis, as that backend leaves them (or Replicate
+DTensors on the mesh, as its `full_dtensor` backend makes them). One shard axis (world 2); HSDP (dp_replicate=2, dp_shard=2), two shard axes flattened (dp_shard=2, cp=2) and
 replicate only (world 4, slow): losses and trained parameters equal to torch's, the sharded
 parameters' placements and local shapes torch's, DCP checkpoints written by either read by the
 other; bad input refused at the call, naming what is wrong."""
@@ -32,6 +32,17 @@ def _annotate(model: nn.Module, mesh) -> None:
     axes = {spmd.MeshAxis.of(mesh.get_group(name)): spmd.R for name in mesh.mesh_dim_names}
     for param in model.parameters():
         spmd.assert_type(param, axes)
+
+
+def _replicate(model: nn.Module, mesh) -> None:
+    """What torchtitan's full_dtensor backend does to a parameter it does not split: a DTensor
+    on the storage mesh, Replicate() on every axis."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(distribute_tensor(
+                    param.detach(), mesh, [Replicate()] * mesh.ndim))
 
 
 def _run(fsdp, mesh, dims, rank, steps=3):
@@ -144,7 +155,7 @@ def check_replicate_only(rank, world):
 
 def check_bad_input(rank, world):
     """A name not in the mesh: torch's ValueError, with the name; an axis that is neither shard nor
-    replicate with several ranks, or a DTensor parameter on the mesh: refused naming the
+    replicate with several ranks, or a DTensor parameter on another mesh: refused naming the
     parameter."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     for fsdp in (torch_fsdp, fsdp_ext):
@@ -156,15 +167,55 @@ def check_bad_input(rank, world):
         tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
         fsdp_ext.fully_shard(nn.Linear(4, 4), mesh=tp_mesh, dp_mesh_dims=DIMS(shard="dp_shard"))
     layer = nn.Linear(4, 4)
+    other = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     layer.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(
-        layer.weight.detach(), mesh, [torch.distributed.tensor.Replicate()]))
-    with pytest.raises(NotImplementedError, match="parameter 'weight' is a DTensor"):
+        layer.weight.detach(), other, [torch.distributed.tensor.Replicate()]))
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' of Linear is a DTensor on "
+                                                  r"DeviceMesh\(\(tp=4\).*not DTensors on "
+                                                  r"another mesh"):
         fsdp_ext.fully_shard(layer, mesh=mesh, dp_mesh_dims=DIMS(shard="dp_shard"))
     assert not isinstance(layer.bias, DTensor)  # refused before anything changed
 
 
+def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):
+    """_run's training for parameters as torchtitan's full_dtensor backend makes them: Replicate
+    DTensors on the storage mesh, and inputs DTensors Shard(0) over the data-parallel axis (the
+    loss a mean over the global batch, its gradient Partial there, which the reduce-scatter
+    sums). An MLP: DTensor has no CPU attention strategy."""
+    from torch.distributed.tensor import DTensor, Shard
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+                            for _ in range(2)))
+    _replicate(model, mesh)
+    for block in model:
+        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    specs = {n: (p.placements, tuple(p.to_local().shape), p.shape)
+             for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # (AdamW would hide a gradient's scale)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(DTensor.from_local(x, mesh, [Shard(0)])).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.full_tensor()))
+    params = {n: scripts.full(p.detach()).clone() for n, p in model.named_parameters()}
+    return losses, params, specs, model, opt
+
+
+def check_full_dtensor(rank, world):
+    """torchtitan's full_dtensor backend's parameters: DTensors on the storage mesh, Replicate,
+    the inputs Shard(0) there: losses, parameters, placements and local shapes torch's."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    dims = DIMS(shard="dp_shard")
+    _compare("full_dtensor parameters", _run_full_dtensor(fsdp_ext, mesh, dims, rank),
+             _run_full_dtensor(torch_fsdp, mesh, dims, rank))
+
+
 def _worker2(rank, world):
-    run_checks([check_one_shard_axis], rank, world)
+    run_checks([check_one_shard_axis, check_full_dtensor], rank, world)
 
 
 def _worker4(rank, world):

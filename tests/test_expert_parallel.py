@@ -1,10 +1,11 @@
 """Expert-parallel parameters under fully_shard (runtime/placements.py, runtime/spmd_params.py,
-dtensor_params.spec_with_tp): expert weights split over `ep`, sharded again over `efsdp` through
-torch 2.14's ShardPlacementResult, the rest over every rank; in torchtitan's two spellings (DTensors
-on `ep` with a 1-D mesh-info; plain tensors annotated with spmd_types with a mesh-info over named
-axes), Shard(0) and Shard(1). Losses, gradients, trained parameters, placements and local shapes
-equal torch's fully_shard on the same script (tests/expert_parallel_scripts.py); what fsdp_ext
-cannot take is refused naming the parameter. torchtitan's own trainer under EP:
+runtime/model_parallel.py): expert weights split over `ep`, sharded again over `efsdp` through
+torch 2.14's ShardPlacementResult, the rest over every rank; in torchtitan's three spellings
+(DTensors on `ep` with a 1-D mesh-info; plain tensors annotated with spmd_types, and DTensors on
+the (efsdp, ep) storage mesh, with a mesh-info over named axes), Shard(0) and Shard(1). Losses,
+gradients, trained parameters, placements and local shapes equal torch's fully_shard on the same
+script (tests/expert_parallel_scripts.py); what fsdp_ext cannot take is refused naming the
+parameter. torchtitan's own trainer under EP:
 tests/test_torchtitan_trainer.py."""
 from __future__ import annotations
 
@@ -51,6 +52,14 @@ def check_dtensor_shard1(rank, world):
     _against_torch(rank, world, "dtensor", 1, SHARD_1)
 
 
+def check_storage_shard0(rank, world):
+    _against_torch(rank, world, "storage", 0, STRIDED)
+
+
+def check_storage_shard1(rank, world):
+    _against_torch(rank, world, "storage", 1, SHARD_1)
+
+
 def check_spmd_types_shard1(rank, world):
     _against_torch(rank, world, "spmd_types", 1, SHARD_1)
 
@@ -60,8 +69,9 @@ def check_dtensor_shard0(rank, world):
 
 
 def check_refusals(rank, world):
-    """Annotations fsdp_ext cannot take, and a DTensor given with a mesh-info over named axes
-    (torchtitan's full_dtensor backend), are refused at the call naming the parameter."""
+    """Annotations fsdp_ext cannot take, a DTensor with a mesh-info over named axes that is not on
+    their storage mesh, or not Replicate on its data-parallel axis, are refused at the call
+    naming the parameter."""
     import spmd_types as spmd
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     dense, sparse = scripts.meshes(world)
@@ -84,9 +94,14 @@ def check_refusals(rank, world):
     unannotated = nn.Parameter(torch.zeros(2, scripts.DIM, scripts.HIDDEN))
     refused(unannotated, ValueError, r"'experts.w1': no spmd_types annotation on the storage "
                                      r"mesh's axis 'ep'")
-    on_mesh = nn.Parameter(DTensor.from_local(torch.zeros(2, scripts.DIM, scripts.HIDDEN),
-                                              sparse["ep"], [Shard(0)], run_check=False))
-    refused(on_mesh, NotImplementedError, r"'experts.w1': a DTensor .* not its full_dtensor")
+    on_ep = nn.Parameter(DTensor.from_local(torch.zeros(2, scripts.DIM, scripts.HIDDEN),
+                                            sparse["ep"], [Shard(0)], run_check=False))
+    refused(on_ep, ValueError, r"'experts.w1': a DTensor on DeviceMesh\(\(ep=2\).*not on the "
+                               r"storage mesh")
+    sharded = nn.Parameter(DTensor.from_local(torch.zeros(2, scripts.DIM, scripts.HIDDEN),
+                                              sparse, [Shard(1), Shard(0)], run_check=False))
+    refused(sharded, ValueError, r"'experts.w1': S\(1\) on the data-parallel axis "
+                                 r"'efsdp'; fully_shard takes Replicate\(\) there")
 
 
 def _world(rank, world, checks):
@@ -95,11 +110,13 @@ def _world(rank, world, checks):
 
 def test_expert_parallel_matches_torch_world_2():
     """efsdp of one rank, ep of two."""
-    run_distributed(_world, 2, [check_spmd_types_shard0, check_dtensor_shard1, check_refusals])
+    run_distributed(_world, 2, [check_spmd_types_shard0, check_dtensor_shard1,
+                                 check_storage_shard1, check_refusals])
 
 
 @pytest.mark.slow
 def test_expert_parallel_matches_torch_world_4():
     """(efsdp 2, ep 2), both spellings, both placements."""
     run_distributed(_world, 4, [check_spmd_types_shard0, check_dtensor_shard1,
+                                 check_storage_shard0, check_storage_shard1,
                                  check_spmd_types_shard1, check_dtensor_shard0])

@@ -26,10 +26,7 @@ def _reduction_groups(bucket, slot) -> tuple:
     where TP shards the parameter too (a TP-replicated parameter's gradient is the same on every
     TP rank: counted once)."""
     groups = (bucket.groups.shard,)
-    tp = slot.tp_spec
-    if tp is not None and any(p.is_shard() for p in tp.placements):
-        groups += (tp.mesh.get_group(),)
-    return groups
+    return groups if slot.parallel is None else groups + slot.parallel.norm_groups()
 
 
 def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.Tensor]]:

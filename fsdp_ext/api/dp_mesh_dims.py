@@ -9,25 +9,27 @@ alone making it replicate-only (every rank holds the whole unit; gradients all-r
 the unit is what `fully_shard(mesh=<that mesh>)` makes of it.
 
 The parameters must hold their data-parallel values whole on every rank: plain tensors (torchtitan's
-`spmd_types` backend annotates them with the `R` type on those axes), and no axis outside the named
-ones may have more than one rank. A parameter that is a DTensor on the SPMD mesh (the
-`full_dtensor` backend), or a mesh whose other axes (tensor or context parallel, not flattened into
-the shard axes) have several ranks, is refused naming the parameter and the axes.
+`spmd_types` backend annotates them with the `R` type on those axes) or DTensors on the SPMD mesh,
+Replicate on those axes (its `full_dtensor` backend: runtime/model_parallel.OnStorageMesh), and no
+axis outside the named ones may have more than one rank. A DTensor on another mesh, or a mesh whose
+other axes (tensor or context parallel, not flattened into the shard axes) have several ranks, is
+refused naming the parameter and the axes.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ..runtime.registry import unit_of
 
 
 def data_parallel_mesh(members: list[nn.Module], mesh: DeviceMesh | None, dp_mesh_dims,
-                       where: str) -> tuple[DeviceMesh | None, tuple | None]:
+                       where: str) -> tuple[DeviceMesh | None, tuple | None, tuple]:
     """(mesh, process_group) for the unit, as `fully_shard` takes them, from the SPMD mesh and
-    its data-parallel axes; raises ValueError / NotImplementedError naming what is wrong."""
+    its data-parallel axes, and (the SPMD mesh, the shard axes' names, the replicate axes'),
+    which its DTensor parameters are read on; raises ValueError / NotImplementedError naming what
+    is wrong."""
     shard_names, replicate_names = _names(dp_mesh_dims, where)
     if mesh is None:
         raise ValueError(f"{where}: dp_mesh_dims names axes of `mesh`; pass the SPMD mesh too")
@@ -44,12 +46,14 @@ def data_parallel_mesh(members: list[nn.Module], mesh: DeviceMesh | None, dp_mes
     others = {n: mesh.size(names.index(n)) for n in names
               if n not in shard_names and n not in replicate_names}
     _check_params(members, {n: s for n, s in others.items() if s > 1}, where)
+    storage_axes = (mesh, shard_names, replicate_names)
     if not shard_names:  # replicate only: no shard group
-        return None, (None, _submesh(mesh, replicate_names).get_group())
+        return None, (None, _submesh(mesh, replicate_names).get_group()), storage_axes
     shard = _submesh(mesh, shard_names)
     if not replicate_names:
-        return shard, None
-    return DeviceMesh._concatenate([_submesh(mesh, replicate_names), shard]), None
+        return shard, None, storage_axes
+    return (DeviceMesh._concatenate([_submesh(mesh, replicate_names), shard]), None,
+            storage_axes)
 
 
 def _names(dp_mesh_dims, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -85,13 +89,9 @@ def _unit_params(members: list[nn.Module]):
 
 
 def _check_params(members: list[nn.Module], model_parallel: dict[str, int], where: str) -> None:
-    for name, param in _unit_params(members):
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"{where}: parameter '{name}' is a DTensor on {param.device_mesh} "
-                f"({param.placements}); with dp_mesh_dims fsdp_ext shards plain parameters "
-                "(torchtitan's spmd_types backend) only, not DTensors on the SPMD mesh "
-                "(its full_dtensor backend). Use the spmd_types or partial_dtensor backend")
+    """(A DTensor on another mesh is refused once its shard_placement_fn has been asked:
+    param_buckets._check_parallel.)"""
+    for name, _ in _unit_params(members):
         if model_parallel:
             axes = ", ".join(f"'{n}' ({s} ranks)" for n, s in model_parallel.items())
             raise NotImplementedError(

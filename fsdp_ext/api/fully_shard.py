@@ -132,8 +132,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         if process_group is not None:
             raise ValueError(f"fully_shard({type(members[0]).__name__}): dp_mesh_dims names axes "
                              "of `mesh`; pass no process_group with it")
-        mesh, process_group = data_parallel_mesh(members, mesh, dp_mesh_dims,
-                                                 f"fully_shard({type(members[0]).__name__})")
+        mesh, process_group, storage_axes = data_parallel_mesh(
+            members, mesh, dp_mesh_dims, f"fully_shard({type(members[0]).__name__})")
+    else:
+        storage_axes = None
     if mesh is None and process_group is None:
         default_group.ensure_for_fully_shard()
     return shard_module(module, mesh=mesh, process_group=process_group, config=UnitConfig(
@@ -142,7 +144,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         offload=options.offload_policy(offload_policy),
         ignored_params=frozenset(id(p) for p in ignored_params or ()),
         param_init_fn=param_init_fn, check_finite_grads=check_finite_grads, comm_policy=comm_policy,
-        shard_placement_fn=shard_placement_fn,
+        shard_placement_fn=shard_placement_fn, storage_axes=storage_axes,
         schedule=ScheduleOptions(forward_prefetch=forward_prefetch,
                                  backward_prefetch=backward_prefetch,
                                  limit_in_flight=limit_in_flight,

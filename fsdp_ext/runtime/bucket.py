@@ -47,8 +47,7 @@ class ParamSlot:
     locations: list[tuple[nn.Module, str]]     # tied weights have several
     shape: torch.Size                          # the shape sharded here (global, or TP-local)
     replaced: object = lambda: None            # weak reference to what `param` replaced, if any
-    tp_spec: object = None                     # a tensor-parallel DTensor's spec (its TP mesh)
-    computes_local: bool = False               # TP part from spmd_types: modules take it plain
+    parallel: object = None                    # how TP / EP split it first (model_parallel.py)
     member: int = 0                            # which of the unit's modules holds it (lists)
     shard_view: torch.Tensor | None = None     # its part of the shard (a subclass: its chunk)
     grad_view: torch.Tensor | None = None      # its part of the gradient shard

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .process_groups import subgroup
@@ -52,29 +51,6 @@ def spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int = 0) 
     placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
     meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), dtype)
     return DTensorSpec(mesh, placements, tensor_meta=meta)
-
-
-def spec_with_tp(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, dim: int = 0) -> DTensorSpec:
-    """A tensor- or expert-parallel parameter (a DTensor on its TP / EP mesh) sharded again along
-    `dim` of its local tensor on `dp_mesh`: the (dp, tp) mesh with the dp placement first, as torch's
-    fully_shard builds it. Where TP itself shards `dim`, chunking TP's local part is a strided
-    shard of the global one (EP's experts: Shard(0) over ep, then again over efsdp)."""
-    if dp_mesh.ndim != 1 or tp_spec.mesh.ndim != 1:
-        raise NotImplementedError("fully_shard with tensor parallelism: 1-D data-parallel and TP "
-                                  f"meshes only (got {dp_mesh.ndim}-D and {tp_spec.mesh.ndim}-D)")
-    split = tp_spec.num_shards_map[dim]
-    dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-    return DTensorSpec(DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), (dp, *tp_spec.placements),
-                       tensor_meta=tp_spec.tensor_meta)
-
-
-def tp_view(local: torch.Tensor, tp_spec: DTensorSpec) -> DTensor:
-    """The gathered TP-local parameter as the DTensor the tensor-parallel module computes with;
-    differentiable, so that its gradient comes back as the local tensor's (reduced over the TP
-    mesh where the forward placement was Replicate)."""
-    meta = tp_spec.tensor_meta
-    return DTensor.from_local(local, tp_spec.mesh, tp_spec.placements, run_check=False,
-                              shape=meta.shape, stride=meta.stride)
 
 
 def dispatches_itself(tensor: torch.Tensor) -> bool:

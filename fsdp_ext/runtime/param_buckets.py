@@ -18,6 +18,7 @@ from . import comm, dtensor_params, process_groups
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
+from .model_parallel import Annotated, TensorParallel, on_storage_mesh
 from .placements import resolve
 from .registry import unit_of
 from .wire import ExactWire
@@ -47,19 +48,21 @@ def build_unit_buckets(members: list[nn.Module], config):
     timeout = comm.collective_timeout(config.schedule.collective_timeout,
                                       config.env.collective_timeout)
     buckets = build_buckets(members, groups, layout, mesh, direct_min_numel,
-                            config.ignored_params, config.shard_placement_fn, timeout)
+                            config.ignored_params, config.shard_placement_fn, timeout,
+                            config.storage_axes)
     return mesh, buckets
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
                   direct_min_numel: int, ignored: set[int] = frozenset(),
-                  shard_placement_fn=None, timeout=None) -> list[Bucket]:
+                  shard_placement_fn=None, timeout=None,
+                  storage_axes=None) -> list[Bucket]:
     """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
     ids) by (mesh, dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`,
     rows are DTensors on it, each sharded along the dim, and over the mesh, that
     `shard_placement_fn` gives: placements.py; a bucket on a mesh of its own talks to that
     mesh's groups)."""
-    slots = _owned_slots(modules, layout, ignored)
+    slots = _owned_slots(modules, layout, ignored, storage_axes)
     by_key: dict[tuple, list[ParamSlot]] = {}
     dims: dict[int, int] = {}  # id(slot) -> its shard dim (rows layout)
     meshes: dict[object, object] = {}  # a parameter's own mesh (equal meshes: one key) -> itself
@@ -68,12 +71,13 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
         if extension:
             _check_extension_param(slot, modules[slot.member], layout, mesh)
-        own, model_parallel = None, None
+        own = None
         if layout == "rows":
-            dim, own, model_parallel = resolve(shard_placement_fn, slot, modules[slot.member],
-                                               extension, mesh)
-            if model_parallel is not None:  # annotated plain tensor: a TP part, computed plain
-                slot = replace(slot, tp_spec=model_parallel, computes_local=True)
+            dim, own, parallel = resolve(shard_placement_fn, slot, modules[slot.member],
+                                         extension, mesh)
+            if parallel is not None:  # what its mesh-info's named axes say of it
+                slot = replace(slot, parallel=parallel)
+            _check_parallel(slot, modules[slot.member], storage_axes)
             dims[id(slot)] = dim
         if own is not None:
             own = meshes.setdefault(own, own)
@@ -98,7 +102,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
                                         [dims[id(s)] for s in bucket_slots])
         spec_of = None
         if layout == "rows" and bucket_mesh is not None:
-            specs = [dtensor_params.spec_with_tp(bucket_mesh, s.tp_spec, dims[id(s)]) if s.tp_spec is not None
+            specs = [s.parallel.face_spec(bucket_mesh, dims[id(s)]) if s.parallel is not None
                      else dtensor_params.spec(bucket_mesh, s.shape, dtype, dims[id(s)])
                      for s in bucket_slots]
             spec_of = specs.__getitem__
@@ -135,7 +139,8 @@ def init_sharded_state(buckets: list[Bucket], device: torch.device, offload,
         bucket.init_gathered(device, param_dtype)
 
 
-def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int]) -> list[ParamSlot]:
+def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int],
+                 storage_axes=None) -> list[ParamSlot]:
     """The distinct parameters of `modules` outside child units, in module order; a slot's name
     is relative to the member that holds it (the first, for a parameter tied across members)."""
     slots: dict[int, ParamSlot] = {}
@@ -161,9 +166,10 @@ def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int]) -> li
                     f"parameter '{fqn}' of {type(module).__name__} already belongs to the unit of "
                     f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
             _check_param(param, fqn, module, layout)
-            if dtensor_params.is_dtensor(param):  # tensor parallel: shard its local tensor
+            if dtensor_params.is_dtensor(param):  # model parallel: shard its local tensor
                 slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.to_local().shape,
-                                             tp_spec=param._spec, member=member)
+                                             parallel=_parallel(param, storage_axes, fqn, module),
+                                             member=member)
             else:
                 slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape, member=member)
         for name, child in reversed(list(mod._modules.items())):
@@ -189,14 +195,40 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
     where = f"parameter '{fqn}' of {type(module).__name__}"
     if not torch.is_floating_point(param) or param.dtype not in ops.checks.FLOAT_DTYPES:
         raise TypeError(f"{where} has dtype {param.dtype}; fsdp_ext shards fp32/bf16/fp16 only")
-    if dtensor_params.is_dtensor(param) and (layout != "rows" or param.device_mesh.ndim != 1):
+    if dtensor_params.is_dtensor(param) and layout != "rows":
         raise NotImplementedError(
-            f"{where} is already a DTensor on a {param.device_mesh.ndim}-D mesh: fully_shard "
-            "shards tensor-parallel parameters of a 1-D TP mesh (FullyShardedDataParallel none)")
+            f"{where} is already a DTensor: fully_shard shards tensor-parallel parameters "
+            "(FullyShardedDataParallel none)")
     if layout == "rows" and param.dim() == 0:
         raise NotImplementedError(
             f"{where} is 0-dimensional: fully_shard shards parameters along dim 0 (Shard(0)); "
             "give it shape [1], or leave it out of the sharded module")
+
+
+def _parallel(param, storage_axes, fqn: str, module: nn.Module):
+    """A DTensor parameter's split (model_parallel.py): on the storage mesh `storage_axes` names
+    (mesh, shard axis names, replicate axis names; fully_shard's dp_mesh_dims), or on a
+    tensor-parallel mesh of its own."""
+    if storage_axes is not None and param.device_mesh == storage_axes[0]:
+        return on_storage_mesh(param, *storage_axes,
+                               f"fully_shard({type(module).__name__}): parameter '{fqn}'")
+    return TensorParallel(param._spec)
+
+
+def _check_parallel(slot: ParamSlot, module: nn.Module, storage_axes) -> None:
+    if not isinstance(slot.parallel, TensorParallel) or isinstance(slot.parallel, Annotated):
+        return
+    if storage_axes is not None:
+        raise NotImplementedError(
+            f"parameter '{slot.fqn}' of {type(module).__name__} is a DTensor on "
+            f"{slot.parallel.spec.mesh} ({slot.parallel.spec.placements}); with dp_mesh_dims "
+            "fsdp_ext shards plain parameters (torchtitan's spmd_types backend) and DTensors on "
+            "the SPMD mesh it names (its full_dtensor backend), not DTensors on another mesh")
+    if slot.parallel.spec.mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter '{slot.fqn}' of {type(module).__name__} is already a DTensor on a "
+            f"{slot.parallel.spec.mesh.ndim}-D mesh: fully_shard shards tensor-parallel "
+            "parameters of a 1-D TP mesh, or DTensors on the storage mesh dp_mesh_dims names")
 
 
 def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:
@@ -211,7 +243,7 @@ def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh
             "parameters into one buffer, which a subclass cannot join (torch's FSDP1 cannot "
             "either); shard the model with fully_shard, which gathers it through its "
             "fsdp_pre_all_gather / fsdp_post_all_gather hooks")
-    if slot.tp_spec is not None:
+    if slot.parallel is not None:
         raise NotImplementedError(
             f"{where} is a tensor-parallel DTensor over a {kind}: fully_shard gathers tensor "
             "subclasses on a 1-D data-parallel mesh only")

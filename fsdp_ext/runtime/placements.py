@@ -22,7 +22,8 @@ mesh of its own for a tensor- or expert-parallel (DTensor) parameter.
 A tensor- or expert-parallel parameter (a DTensor on its TP / EP mesh, as torchtitan's
 expert parallelism makes the routed experts) is sharded along `dim` of its local tensor over its
 data-parallel mesh (with EP: the expert-FSDP mesh `efsdp`), as torch's fully_shard shards it:
-dtensor_params.spec_with_tp.
+model_parallel.py. One given as a DTensor on the whole storage mesh its mesh-info names
+(torchtitan's full_dtensor backend) keeps that mesh.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from .spmd_params import model_parallel_spec
+from .model_parallel import TensorParallel
+from .spmd_params import parallel_of
 
 
 @dataclass(frozen=True)
@@ -45,17 +47,18 @@ class MeshPlacement:
 
 def resolve(shard_placement_fn, slot, module, subclass: bool,
             unit_mesh) -> tuple[int, object, object]:
-    """(the shard dim, the mesh, None for the unit's, and the model-parallel spec its mesh-info's
-    named SPMD axes give, or None: spmd_params.py) of `slot`'s parameter (of `module`)."""
+    """(the shard dim, the mesh, None for the unit's, and how model parallelism split the
+    parameter as its mesh-info's named SPMD axes say, or None: spmd_params.py) of `slot`'s
+    parameter (of `module`)."""
     if shard_placement_fn is None:
         return 0, None, None
     where = f"fully_shard({type(module).__name__}): shard_placement_fn for parameter '{slot.fqn}'"
     result = shard_placement_fn(slot.param)
-    placement, mesh, model_parallel = result, None, None
+    placement, mesh, parallel = result, None, None
     if type(result).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh_info)
         placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
         if getattr(result.mesh_info, "dp_mesh_dims", None) is not None:
-            model_parallel = model_parallel_spec(slot.param, result.mesh_info, where)
+            parallel = parallel_of(slot.param, result.mesh_info, where)
     elif isinstance(result, MeshPlacement):
         placement, mesh = result.placement, result.mesh
         if mesh is None or mesh.ndim not in (1, 2):
@@ -72,11 +75,12 @@ def resolve(shard_placement_fn, slot, module, subclass: bool,
         raise NotImplementedError(f"{where} asks for Shard({dim}) on a mesh of its own or a "
                                   "dim > 0: a tensor-subclass parameter is sharded along dim 0 "
                                   "over the unit's mesh only")
-    if mesh is not None and (slot.tp_spec or model_parallel) is not None and mesh.ndim == 2:
+    if mesh is not None and mesh.ndim == 2 and isinstance(parallel or slot.parallel,
+                                                          TensorParallel):
         raise NotImplementedError(f"{where} puts a tensor- or expert-parallel parameter on a 2-D "
                                   "(replicate, shard) mesh of its own: fsdp_ext shards such "
                                   "parameters over a 1-D data-parallel mesh")
-    return dim, mesh, model_parallel
+    return dim, mesh, parallel
 
 
 def _dim(placement, slot, where: str) -> int:

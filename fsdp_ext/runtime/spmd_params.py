@@ -11,8 +11,9 @@ fully_shard stores it. The module computes with the plain gathered tensor, as it
 
 Taken: `S(dim)` (a shard; its gradient stays sharded) and `I` (invariant: the same values, and
 gradient, on every rank of the axis). Refused naming the parameter: `R` or `P` on that axis
-(its gradient would need a reduction over it, which is the model's own to do), a plain `V`, a
-DTensor on the storage mesh (torchtitan's full_dtensor backend), and several such axes.
+(its gradient would need a reduction over it, which is the model's own to do), a plain `V`, and
+several such axes. A DTensor on the storage mesh (torchtitan's full_dtensor backend) is read from
+its own placements instead (model_parallel.OnStorageMesh).
 """
 from __future__ import annotations
 
@@ -20,22 +21,21 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from .model_parallel import Annotated, on_storage_mesh
 
-def model_parallel_spec(param: torch.Tensor, mesh_info, where: str) -> DTensorSpec | None:
-    """The DTensorSpec of `param` over the non-data-parallel axis of `mesh_info.spmd_mesh` that
-    has several ranks; None where there is none (the parameter is whole there)."""
+
+def parallel_of(param: torch.Tensor, mesh_info, where: str):
+    """How model parallelism split `param`, given with a mesh-info over named axes: a DTensor on
+    its storage mesh (OnStorageMesh), an annotated plain tensor with a model-parallel axis of
+    several ranks (Annotated), or None (a plain tensor whole there)."""
     mesh, dims = mesh_info.spmd_mesh, mesh_info.dp_mesh_dims
+    if isinstance(param, DTensor):
+        return on_storage_mesh(param, mesh, dims.shard_names, dims.replicate_names, where)
     names = mesh.mesh_dim_names
     data_parallel = {*dims.shard_names, *dims.replicate_names}
     others = [n for n in names if n not in data_parallel and mesh.size(names.index(n)) > 1]
     if not others:
         return None
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"{where}: a DTensor on {param.device_mesh} ({param.placements}) with a mesh-info "
-            "over named SPMD axes; fsdp_ext takes plain parameters annotated with spmd_types "
-            "there (torchtitan's spmd_types backend) or DTensors on the model-parallel mesh with "
-            "a data-parallel mesh-info (its partial_dtensor backend), not its full_dtensor one")
     if len(others) > 1:
         raise NotImplementedError(f"{where}: its mesh-info's storage mesh has {len(others)} axes "
                                   f"besides the data-parallel ones with several ranks {others}; "
@@ -49,7 +49,7 @@ def model_parallel_spec(param: torch.Tensor, mesh_info, where: str) -> DTensorSp
         shape[placement.dim] *= size
     shape = torch.Size(shape)
     meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), param.dtype)
-    return DTensorSpec(mesh[axis_name], (placement,), tensor_meta=meta)
+    return Annotated(DTensorSpec(mesh[axis_name], (placement,), tensor_meta=meta))
 
 
 def _annotation(param: torch.Tensor, mesh, axis_name: str, where: str):

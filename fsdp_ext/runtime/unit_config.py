@@ -28,6 +28,9 @@ class UnitConfig:
     comm_policy: CommPolicy | None = None  # its own; None: its root's (at the first forward)
     param_init_fn: object = None          # materialises meta modules at construction
     shard_placement_fn: object = None     # param -> Shard(dim) | None (placements.py)
+    # dp_mesh_dims: (the storage mesh, its shard and replicate axis names), whose DTensor
+    # parameters are sharded over those axes (model_parallel.OnStorageMesh)
+    storage_axes: tuple | None = None
     ignored_params: frozenset = frozenset()  # ids of parameters never sharded
     check_finite_grads: bool = False
     direct_min_numel: int | None = None   # rows layout: None for the default split (layout.py)

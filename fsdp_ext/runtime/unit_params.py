@@ -184,11 +184,9 @@ class UnitParams:
 
 
 def _tp(view: torch.Tensor, slot) -> torch.Tensor:
-    """Tensor parallel: the module computes with DTensors over the gathered view (a part given
-    as an annotated plain tensor is computed with as it was given: spmd_params.py)."""
-    if slot.tp_spec is None or slot.computes_local:
-        return view
-    return dtensor_params.tp_view(view, slot.tp_spec)
+    """Tensor or expert parallel: what the module computes with over the gathered view
+    (model_parallel.py)."""
+    return view if slot.parallel is None else slot.parallel.compute_view(view)
 
 
 def _install(slot, tensor: torch.Tensor) -> None:

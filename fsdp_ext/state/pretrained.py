@@ -127,7 +127,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
     for unit in units:
         for bucket in unit.buckets:
             for slot in bucket.slots:
-                if slot.tp_spec is not None:
+                if slot.parallel is not None:
                     raise NotImplementedError(
                         f"load_pretrained: parameter '{slot.fqn}' of unit '{unit.name or '<root>'}' "
                         "is tensor-parallel; load it with torch.distributed.checkpoint instead")

@@ -57,7 +57,7 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
         for unit in _units(model, recurse):
             unit.wait_unshard()
             for bucket in unit.buckets:
-                if any(slot.tp_spec is not None for slot in bucket.slots):
+                if any(slot.parallel is not None for slot in bucket.slots):
                     raise NotImplementedError(
                         f"summon_full_params: unit '{unit.name or '<root>'}' holds tensor-parallel "
                         "parameters; use DTensor.full_tensor() on them instead")
