@@ -68,7 +68,7 @@ class ExpertParallelRoutedExperts(nn.Module):
         group, peers, local = self.ep_mesh.get_group(), self.ep_mesh.size(), self.local_experts
         top_k = experts.shape[1]
         flat = experts.flatten()
-        order = flat.argsort(stable=True)   # stable: a token's slots stay in expert order
+        order = flat.argsort(stable=True)   # stable: an expert's tokens in order, as without EP
         token, slot = order // top_k, order % top_k
         counts = torch.bincount(flat, minlength=peers * local)   # rows per expert, from here
         received = torch.empty_like(counts)                       # [peer, my expert] rows to come
