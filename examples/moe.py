@@ -25,6 +25,13 @@ computed by a loop over the experts (no grouped GEMM), which runs anywhere. The 
 its mean score) is kept on each MoE module as `aux_loss` after a forward; the decoder's
 `forward(tokens, targets)` adds `aux_loss_coeff` times their sum to the cross-entropy when gradients
 are being computed (training), and returns the cross-entropy alone otherwise.
+
+Expert parallelism (moe_ep.py's `apply_expert_parallel(model, ep_mesh)`, after the weights are
+initialized) leaves each rank of an `ep` group num_experts / ep of every MoE block's experts (its
+slice of the same weights, as DTensors Shard(0) on `ep_mesh`) and replaces the loop above with a
+dispatch by all-to-all: each rank sorts its (token, top-k slot) pairs by expert, sends each token
+row to the rank holding its expert, that rank runs its experts on what it received, the results
+come back by the reverse all-to-all and are weighted and summed into the tokens' rows as here.
 """
 from __future__ import annotations
 
@@ -73,8 +80,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert `expert` applied to the tokens `x` ([n, dim]) routed to it."""
-        h = F.silu(x @ self.w1[expert]) * (x @ self.w3[expert])
-        return h @ self.w2[expert]
+        return expert_swiglu(x, self.w1[expert], self.w2[expert], self.w3[expert])
+
+
+def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU on its tokens `x` ([n, dim]); w1, w3: [dim, hidden], w2: [hidden, dim]
+    (also what moe_ep.py runs on each rank's own experts)."""
+    h = F.silu(x @ w1) * (x @ w3)
+    return h @ w2
 
 
 class RoutedExperts(nn.Module):

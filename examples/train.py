@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py            # CPU: gloo, a few minutes
     torchrun --standalone --nproc-per-node 8 examples/train.py --mixed-precision bf16   # GPUs: NCCL
     torchrun --standalone --nproc-per-node 2 examples/train.py --model moe   # the MoE decoder
+    torchrun --standalone --nproc-per-node 4 examples/train.py --model moe --experts 4 --ep 2
 
 With GPUs present each rank uses its local GPU and NCCL; otherwise the CPU and gloo. The script is
 the same on one node or many (see docs/training.md and docs/api.md, "Several GPUs, several nodes"). Only rank 0 prints.
@@ -28,6 +29,7 @@ import corpus  # noqa: E402
 import report  # noqa: E402
 from models import GPT, Block, GPTConfig  # noqa: E402
 from moe import MoEConfig, MoEDecoder  # noqa: E402
+from moe_ep import apply_expert_parallel  # noqa: E402
 
 import fsdp_ext  # noqa: E402
 from fsdp_ext.runtime.trace import recording  # noqa: E402
@@ -53,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=8,
                    help="--model moe: routed experts per MoE block; fewer than the ranks that "
                         "shard them: the expert weights are sharded along dim 1 (Shard(1))")
+    p.add_argument("--ep", type=int, default=1,
+                   help="--model moe: expert-parallel degree: each MoE block's experts spread over "
+                        "groups of this many ranks, tokens sent to their experts by all-to-all "
+                        "(examples/moe_ep.py); the experts then sharded over the world / ep "
+                        "ranks holding the same ones, every other parameter over the world")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks, one unit each")
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -135,6 +142,7 @@ def shard(model: GPT | MoEDecoder, args, device: torch.device):
     bf16 = args.mixed_precision == "bf16"
     if args.model == "moe" and args.api != "fully_shard":
         raise SystemExit("--model moe runs with --api fully_shard (torchtitan's FSDP2 calls)")
+    check_expert_parallel(args, dist.get_world_size())
     policy = comm_policy(args.comm_policy)
     strategy = args.sharding_strategy
     if args.api == "fsdp1":
@@ -160,20 +168,49 @@ def shard(model: GPT | MoEDecoder, args, device: torch.device):
                                           mesh_dim_names=("replicate", "shard"))
     model.to(device)
     if args.model == "moe":
-        return shard_moe(model, args, kwargs)
+        return shard_moe(model, args, kwargs, device)
     for block in model.blocks:
         fsdp_ext.fully_shard(block, reshard_after_forward=strategy != "SHARD_GRAD_OP", **kwargs)
     return fsdp_ext.fully_shard(model, **kwargs)
 
 
-def shard_moe(model: MoEDecoder, args, kwargs: dict) -> MoEDecoder:
-    """fully_shard as torchtitan 0.3.0's apply_fsdp_to_decoder applies it at EP=1 (one mesh, no
-    expert parallelism): the embedding, [norm, lm_head] as one unit kept gathered after forward,
-    each block, the root. An MoE block whose experts are fewer than the ranks sharding them gets
-    its routed experts' weights ([num_experts, in, out]) sharded along dim 1 (Shard(1)), so that
-    no rank holds padding alone; otherwise every parameter along dim 0. (torchtitan then
-    sets each unit's gradient divide factor to 1.0 and divides the loss by the global token count
-    itself; this script keeps the default mean over ranks, the same gradients.)"""
+def check_expert_parallel(args, world: int) -> None:
+    """Refuse an --ep that cannot work: it needs the MoE model, fully_shard's FULL_SHARD (the
+    experts' own FSDP mesh is 1-D), and a degree dividing both the world and the expert count."""
+    if args.ep == 1:
+        return
+    problems = []
+    if args.ep < 1:
+        problems.append("a degree of at least 1")
+    if args.model != "moe":
+        problems.append("--model moe")
+    if args.api != "fully_shard" or args.sharding_strategy != "FULL_SHARD":
+        problems.append("--api fully_shard with --sharding-strategy FULL_SHARD (got "
+                        f"{args.api}/{args.sharding_strategy})")
+    if args.ep > 1 and world % args.ep:
+        problems.append(f"a world size it divides (got {world} ranks)")
+    if args.ep > 1 and args.experts % args.ep:
+        problems.append(f"an expert count it divides (got --experts {args.experts})")
+    if problems:
+        raise SystemExit(f"--ep {args.ep} needs " + "; ".join(problems))
+
+
+def shard_moe(model: MoEDecoder, args, kwargs: dict, device: torch.device) -> MoEDecoder:
+    """fully_shard as torchtitan 0.3.0's apply_fsdp_to_decoder applies it: the embedding,
+    [norm, lm_head] as one unit kept gathered after forward, each block, the root. An MoE block
+    whose experts are fewer than the ranks sharding them gets its routed experts' weights
+    ([num_experts, in, out]) sharded along dim 1 (Shard(1)), so that no rank holds padding alone;
+    otherwise every parameter along dim 0. (torchtitan then sets each unit's gradient divide
+    factor to 1.0 and divides the loss by the global token count itself; this script keeps the
+    mean over ranks, the same gradients.)
+
+    With --ep N > 1, first expert parallelism over the fast axis of an (efsdp, ep) = (world / N,
+    N) mesh, as torchtitan lays it out; the experts (each rank's num_experts / N of them) are then
+    sharded over `efsdp`, the ranks holding the same experts, every other parameter over the
+    world. "Experts fewer than the ranks sharding them" counts efsdp * ep ranks, as torchtitan
+    does. Each unit divides its gradient sums by the world size: an expert's gradient sums the
+    tokens of its ep group (all-to-all) and then of the efsdp ranks, i.e. of the whole world, so
+    efsdp's own size (the default divisor for a mesh) would leave it N times too large."""
     strategy = args.sharding_strategy
     reshard = strategy != "SHARD_GRAD_OP"
     if strategy == "NO_SHARD":
@@ -182,17 +219,35 @@ def shard_moe(model: MoEDecoder, args, kwargs: dict) -> MoEDecoder:
         shard_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
     else:
         shard_ranks = dist.get_world_size()
+    efsdp = None
+    if args.ep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (shard_ranks // args.ep, args.ep),
+                                mesh_dim_names=("efsdp", "ep"))
+        apply_expert_parallel(model, mesh["ep"])
+        efsdp = mesh["efsdp"]
     fsdp_ext.fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
     fsdp_ext.fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
     for block in model.layers.values():
         experts = block.moe.routed_experts.inner_experts if block.moe_enabled else None
-        if experts is None or shard_ranks <= experts.num_experts:
+        if experts is None or (efsdp is None and shard_ranks <= experts.num_experts):
             fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs)
             continue
         expert_params = set(experts.parameters())
+        dim = 1 if shard_ranks > experts.num_experts else 0
+
+        def placement(p, expert_params=expert_params, dim=dim):
+            if p not in expert_params:
+                return None
+            return Shard(dim) if efsdp is None else fsdp_ext.MeshPlacement(Shard(dim), efsdp)
         fsdp_ext.fully_shard(block, reshard_after_forward=reshard, **kwargs,
-                             shard_placement_fn=lambda p: Shard(1) if p in expert_params else None)
-    return fsdp_ext.fully_shard(model, **kwargs)
+                             shard_placement_fn=placement)
+    model = fsdp_ext.fully_shard(model, **kwargs)
+    if efsdp is not None:
+        for module in model.modules():
+            if isinstance(module, fsdp_ext.FSDPModule):
+                module.set_gradient_divide_factor(shard_ranks)
+    return model
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
@@ -277,7 +332,8 @@ def build_model(args) -> GPT | MoEDecoder:
 
 def model_label(args) -> str:
     if args.model == "moe":
-        return f"MoE ({args.experts} experts, top-2)"
+        ep = f", EP {args.ep}" if args.ep > 1 else ""
+        return f"MoE ({args.experts} experts, top-2{ep})"
     return "GPT"
 
 

@@ -95,15 +95,19 @@ def test_gpu_projection_benchmark_projects_every_mode(tmp_path):
 
 @pytest.mark.slow
 def test_moe_step_benchmark_counts_the_expert_padding(tmp_path):
-    """World 4 with 2 experts: every variant timed, and Shard(0) experts gather twice the
-    experts' bytes of Shard(1) (the script itself asserts the measured difference is the
-    computed padding)."""
+    """World 4 with 2 experts: every variant timed, Shard(0) experts gather twice the
+    experts' bytes of Shard(1), and under EP=2 each rank gathers its one expert over 2 ranks:
+    half (the script itself asserts the measured differences are the computed ones); only the
+    EP variants exchange tokens by all-to-all."""
     _run("step.moe_step", "--world-sizes", "4", "--steps", "1", "--warmup", "1",
          "--out", str(tmp_path))
     res = json.loads((tmp_path / "moe_step.json").read_text())["results"]["4"]
-    assert set(res) == {"fsdp_ext", "torch", "fsdp_ext-shard0", "torch-shard0"}
+    assert set(res) == {"fsdp_ext", "torch", "fsdp_ext-shard0", "torch-shard0", "fsdp_ext-ep2",
+                        "torch-ep2"}
     for impl in ("fsdp_ext", "torch"):
         assert (res[impl]["expert_dim"], res[f"{impl}-shard0"]["expert_dim"]) == (1, 0)
         assert res[f"{impl}-shard0"]["expert_bytes"] == 2 * res[impl]["expert_bytes"]
+        assert 2 * res[f"{impl}-ep2"]["expert_bytes"] == res[impl]["expert_bytes"]
         assert res[impl]["gather_bytes"] == res["fsdp_ext"]["gather_bytes"]
+        assert res[f"{impl}-ep2"]["a2a_bytes"] > 0 == res[impl]["a2a_bytes"]
         assert res[impl]["median_s"] > 0 and res[impl]["peak_rss"] > 0

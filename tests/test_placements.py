@@ -49,6 +49,13 @@ def check_dim_1(rank, world):
     _against_torch("Shard(1) experts", rank, world, placement_fn=scripts.experts_on(1))
 
 
+def check_one_expert_dim_1(rank, world):
+    """One expert ([1, in, out], as an expert-parallel rank holds when the experts are as many as
+    the EP ranks) Shard(1): the only dim before the shard dim has size 1, so each rank's part is
+    one range of the flattened weight, starting at its first row along dim 1."""
+    _against_torch("one expert Shard(1)", rank, world, sizes=dict(experts=1))
+
+
 def check_last_dim_and_clip(rank, world):
     _against_torch("Shard(-1) experts, clipped", rank, world, placement_fn=scripts.experts_on(-1),
                    clip=0.05)
@@ -241,9 +248,9 @@ def check_own_mesh_reshard_after_forward_k(rank, world):
 def _world_2(rank, world, directory):
     def check_state_paths_here(rank, world):
         check_state_paths(rank, world, directory)
-    run_checks([check_dim_1, check_last_dim_and_clip, check_state_dicts_both_ways,
-                check_state_paths_here, check_bad_placements, check_own_meshes,
-                check_own_mesh_refusals, check_own_mesh_offload], rank, world)
+    run_checks([check_dim_1, check_one_expert_dim_1, check_last_dim_and_clip,
+                check_state_dicts_both_ways, check_state_paths_here, check_bad_placements,
+                check_own_meshes, check_own_mesh_refusals, check_own_mesh_offload], rank, world)
 
 
 def _world_4(rank, world):
@@ -251,6 +258,15 @@ def _world_4(rank, world):
                 check_state_dicts_both_ways, check_uneven_against_the_unwrapped_model,
                 check_reshard_after_forward_k, check_own_meshes, check_own_mesh_offload,
                 check_own_mesh_reshard_after_forward_k], rank, world)
+
+
+def test_rows_layout_range_along_a_later_dim_after_size_one_dims():
+    """param_range of a [1, 4, 3] weight Shard(1) over 2 ranks: rank 1 holds rows 2-3 of dim 1,
+    flattened elements [6, 12) (it once took the row count from dim 0: [3, 9))."""
+    from fsdp_ext.runtime.layout import rows_layout
+    layout = rows_layout([(1, 4, 3)], world_size=2, rank=1, direct_min_numel=1, dims=[1])
+    assert layout.contiguous(0)
+    assert [layout.param_range(0, r) for r in (0, 1)] == [(0, 6), (6, 12)]
 
 
 def test_shard_dim_placements_match_torch_world_2(tmp_path):

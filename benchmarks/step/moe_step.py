@@ -4,7 +4,13 @@ shard_moe): the embedding, [norm, lm_head] as one unit kept gathered, each block
 block's routed experts ([E, in, out]) Shard(1) where the ranks outnumber the experts, else
 Shard(0). Where torchtitan's rule picks Shard(1), the "-shard0" variants shard the experts along
 dim 0 anyway, to show what that costs: E experts on W > E ranks leave W - E ranks holding a
-padding row of each expert weight, and every all-gather moves it.
+padding row of each expert weight, and every all-gather moves it. The "-ep2" variants (at world
+sizes above and divisible by --ep, default 2, with experts it divides) add expert parallelism
+(examples/moe_ep.py) as torchtitan lays it out: an (efsdp, ep) mesh, each rank holding experts /
+ep of every MoE block's experts and sending tokens to them by all-to-all, the experts sharded by
+FSDP over efsdp (torchtitan's placement rule over efsdp x ep ranks), everything else over the
+world; each unit divides its gradient sums by the world size (torch's FSDP2 with sums forced, as
+gloo has no PREMUL_SUM).
 
 Per variant, at each world size (gloo on CPU, one thread per rank, fp32, AdamW):
   - peak RSS: each variant alone in fresh processes, the peak above the process's baseline over
@@ -17,18 +23,22 @@ Per variant, at each world size (gloo on CPU, one thread per rank, fp32, AdamW):
     all_gather_into; torch: dist.all_gather_single, which its FSDP2 calls), in total and of the
     MoE blocks' units; the routed experts' share of those is computed from their shapes and
     placement (W x the largest chunk along the shard dim), and the script checks that the
-    measured Shard(0) - Shard(1) difference is exactly the computed padding.
+    measured Shard(0) - Shard(1) difference is exactly the computed padding, and EP's saving
+    over EP=1 exactly the computed expert bytes;
+  - all-to-all bytes per step (EP): what each rank receives through all_to_all_single (token
+    rows and their gradients, and the per-expert counts; the rows a rank keeps for its own
+    experts included, though they never leave it), the largest rank's.
 
     python -m benchmarks.step.moe_step                    # world 2 and 4, 2 experts per MoE block
     python -m benchmarks.step.moe_step --world-sizes 4 --steps 12
+
+EP=2 beside EP=1 alone: --world-sizes 4 --variants fsdp_ext torch fsdp_ext-ep2 torch-ep2.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -40,10 +50,8 @@ from fsdp_ext import exit_without_finalization
 from .. import memory
 from ..common import RESULTS, command, init_rank, launch, machine, machine_line, markdown_table
 from ..common import write_results
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "examples"))
-from moe import MoEConfig, MoEDecoder  # noqa: E402  (examples/moe.py)
+from .moe_sharding import MoEConfig, MoEDecoder, ep_of, expert_dim, expert_gather_bytes, shard
+from .moe_sharding import variants
 
 
 def config(args) -> MoEConfig:
@@ -52,55 +60,12 @@ def config(args) -> MoEConfig:
                      hidden_dim=args.hidden, dense_hidden_dim=4 * args.dim)
 
 
-def variants(world: int, experts: int) -> list[str]:
-    """torchtitan's choice for both implementations; where that is Shard(1), also Shard(0)."""
-    names = ["fsdp_ext", "torch"]
-    return names + [f"{n}-shard0" for n in names] if world > experts else names
-
-
-def expert_dim(name: str, world: int, experts: int) -> int:
-    return 0 if name.endswith("-shard0") or world <= experts else 1
-
-
-def shard(model: MoEDecoder, name: str, mesh):
-    """apply_fsdp_to_decoder's calls (EP=1), with torch's fully_shard or fsdp_ext's."""
-    if name.startswith("fsdp_ext"):
-        from fsdp_ext import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
-    world = mesh.size()
-    fully_shard(model.tok_embeddings, mesh=mesh)
-    fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
-    for block in model.layers.values():
-        if not block.moe_enabled:
-            fully_shard(block, mesh=mesh)
-            continue
-        experts = block.moe.routed_experts.inner_experts
-        params = set(experts.parameters())
-        dim = expert_dim(name, world, experts.num_experts)
-        fully_shard(block, mesh=mesh,
-                    shard_placement_fn=lambda p, d=dim: Shard(d) if p in params else None)
-    return fully_shard(model, mesh=mesh)
-
-
-def expert_gather_bytes(cfg: MoEConfig, dim: int, world: int) -> int:
-    """What one all-gather of one MoE block moves for its routed experts: per weight, W chunks
-    of the largest chunk torch.chunk makes along `dim` (the padded shard), fp32."""
-    E, d, h = cfg.layer_experts[-1], cfg.dim, cfg.hidden_dim
-    total = 0
-    for shape in ((E, d, h), (E, h, d), (E, d, h)):
-        chunk = math.ceil(shape[dim] / world)
-        total += world * chunk * math.prod(shape) // shape[dim]
-    return 4 * total
-
-
 class Bytes:
     """Gathered bytes by unit ("layers.1", ...; "" for the root) of whichever variant `current`
-    names."""
+    names, and the bytes all_to_all_single received (`a2a`, this rank's)."""
 
     def __init__(self):
-        self.current, self.by = None, {}
+        self.current, self.by, self.a2a = None, {}, {}
 
     def add(self, unit: str, n: int) -> None:
         if self.current is not None:
@@ -133,6 +98,14 @@ class Bytes:
             return result
         comm.issue_all_gather, comm.all_gather_into = counted_issue, counted_gather
         torch_group.foreach_all_gather = counted_torch
+        all_to_all = dist.all_to_all_single
+
+        def counted_all_to_all(output, *a, **k):   # examples/moe_ep.py's dispatch and combine
+            if self.current is not None:
+                n = output.numel() * output.element_size()
+                self.a2a[self.current] = self.a2a.get(self.current, 0) + n
+            return all_to_all(output, *a, **k)
+        dist.all_to_all_single = counted_all_to_all
 
 
 class Trainer:
@@ -195,14 +168,17 @@ def timing_worker(rank, world, port, args, names, path):
             seconds, losses[n] = trainers[n].step()
             counter.current = None
             times[n].append(seconds)
-    slowest = {}
+    slowest, a2a = {}, {}
     for n in names:
         t = torch.tensor(times[n], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         slowest[n] = t.tolist()
+        received = torch.tensor(float(counter.a2a.get(n, 0)), dtype=torch.float64)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)  # ranks receive different token counts
+        a2a[n] = received.item() / args.steps
     if rank == 0:
         by = {n: {k: v / args.steps for k, v in counter.by.get(n, {}).items()} for n in names}
-        torch.save(dict(times=slowest, bytes=by, losses=losses), path)
+        torch.save(dict(times=slowest, bytes=by, a2a=a2a, losses=losses), path)
     dist.destroy_process_group()
     exit_without_finalization()
 
@@ -216,7 +192,8 @@ def run(args) -> dict:
     cfg = config(args)
     out = {}
     for world in args.world_sizes:
-        names = variants(world, args.experts)
+        names = [n for n in variants(world, args.experts, args.ep)
+                 if not args.variants or n in args.variants]
         res = {n: {} for n in names}
         with tempfile.TemporaryDirectory() as tmp:
             for n in names:
@@ -228,19 +205,22 @@ def run(args) -> dict:
             timing = torch.load(path)
         moe_blocks = args.moe_blocks
         for n in names:
-            dim = expert_dim(n, world, args.experts)
+            dim, ep = expert_dim(n, world, args.experts), ep_of(n)
             per_label = timing["bytes"][n]
             gathers_per_block = 2  # forward, and again in backward (blocks reshard after forward)
             res[n].update(
                 median_s=statistics.median(timing["times"][n]), times=timing["times"][n],
-                loss=timing["losses"][n], expert_dim=dim, gather_bytes=sum(per_label.values()),
+                loss=timing["losses"][n], expert_dim=dim, ep=ep,
+                gather_bytes=sum(per_label.values()), a2a_bytes=timing["a2a"][n],
                 moe_unit_bytes=moe_unit_bytes(per_label, cfg),
-                expert_bytes=gathers_per_block * moe_blocks * expert_gather_bytes(cfg, dim, world))
-        for impl in ("fsdp_ext", "torch"):
-            if f"{impl}-shard0" in res:
-                measured = res[f"{impl}-shard0"]["gather_bytes"] - res[impl]["gather_bytes"]
-                computed = res[f"{impl}-shard0"]["expert_bytes"] - res[impl]["expert_bytes"]
-                assert measured == computed, (impl, world, measured, computed)
+                expert_bytes=gathers_per_block * moe_blocks * expert_gather_bytes(cfg, dim, world,
+                                                                                  ep))
+        for impl in ("fsdp_ext", "torch"):  # the measured differences are the computed ones
+            for other in (f"{impl}-shard0", f"{impl}-ep{args.ep}"):
+                if impl in res and other in res:
+                    measured = res[other]["gather_bytes"] - res[impl]["gather_bytes"]
+                    computed = res[other]["expert_bytes"] - res[impl]["expert_bytes"]
+                    assert measured == computed, (other, world, measured, computed)
         out[world] = res
         print(f"world {world}: " + ", ".join(
             f"{n} {r['median_s'] * 1e3:.1f} ms" for n, r in res.items()), flush=True)
@@ -250,7 +230,7 @@ def run(args) -> dict:
 def report(results: dict, args, cmd: str) -> str:
     m = machine()
     cfg = config(args)
-    lines = ["# MoE step: fsdp_ext vs torch FSDP2 (examples/moe.py, EP=1)", "",
+    lines = ["# MoE step: fsdp_ext vs torch FSDP2 (examples/moe.py, EP=1 and EP)", "",
              f"`{cmd}`", "", machine_line(m), f"`uptime`: {m['uptime']}", "",
              f"Model: dim {cfg.dim}, blocks {cfg.layer_experts} (0 = dense, n = MoE of n experts), "
              f"top-1, experts' hidden {cfg.hidden_dim}, sequence {cfg.block_size}, batch "
@@ -259,12 +239,15 @@ def report(results: dict, args, cmd: str) -> str:
     rows = []
     for world, res in results.items():
         for n, r in res.items():
-            rows.append([world, n, f"Shard({r['expert_dim']})", f"{r['median_s'] * 1e3:.1f}",
-                         f"{r['peak_rss'] / 2**20:.0f}", f"{r['gather_bytes'] / 2**20:.2f}",
-                         f"{r['moe_unit_bytes'] / 2**20:.2f}", f"{r['expert_bytes'] / 2**20:.2f}"])
+            where = f" over efsdp ({world // r['ep']} ranks)" if r["ep"] > 1 else ""
+            rows.append([world, n, f"Shard({r['expert_dim']}){where}",
+                         f"{r['median_s'] * 1e3:.1f}", f"{r['peak_rss'] / 2**20:.0f}",
+                         f"{r['gather_bytes'] / 2**20:.2f}", f"{r['moe_unit_bytes'] / 2**20:.2f}",
+                         f"{r['expert_bytes'] / 2**20:.2f}", f"{r['a2a_bytes'] / 2**20:.2f}"])
     lines.append(markdown_table(
         ["world", "variant", "experts", "median step (ms)", "peak RSS (MiB)",
-         "all-gather MiB/step", "MoE blocks' MiB/step", "experts' MiB/step"], rows))
+         "all-gather MiB/step", "MoE blocks' MiB/step", "experts' MiB/step",
+         "all-to-all MiB/step (received)"], rows))
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +262,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ep", type=int, default=2,
+                   help="expert-parallel degree of the -ep variants (1: none)")
+    p.add_argument("--variants", nargs="+",
+                   help="run only these variants (default: all that apply at each world size)")
     p.add_argument("--out", default=RESULTS, help="output directory")
     args = p.parse_args()
     cmd = command(__spec__.name)

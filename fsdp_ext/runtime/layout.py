@@ -125,14 +125,16 @@ class BucketLayout:
     def param_range(self, index: int, rank: int | None = None) -> tuple[int, int]:
         """[start, end) of the flattened parameter `index` that `rank` holds: one contiguous range
         in both layouts (a chunk of whole rows of a row-major tensor is one), for a parameter
-        sharded along its first dim with more than one element (`contiguous`)."""
+        sharded along its first dim with more than one element (`contiguous`): dim 0, or a later
+        dim with only size-1 dims before it (an expert-parallel rank's one expert, [1, in, out],
+        sharded Shard(1))."""
         slot, rank = self.slots[index], self.rank if rank is None else rank
         if not self.contiguous(index):
             raise NotImplementedError(
                 f"parameter {index} of shape {list(slot.shape)} is sharded along dim {slot.dim}: "
                 "its part on a rank is not one range of the flattened parameter")
         if self.kind == "rows":
-            first = min(rank * slot.chunk_rows, slot.shape[0]) * slot.row_numel
+            first = min(rank * slot.chunk_rows, slot.shape[slot.dim]) * slot.row_numel
             return first, first + self.local_rows(index, rank) * slot.row_numel
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         start = min(max(slot.shard_offset, lo), slot.shard_offset + slot.numel)

@@ -94,7 +94,10 @@ def optim_template(model: nn.Module, saved: dict) -> dict:
             dtype = md.properties.dtype
             info = infos.get(path[1]) if path[0] == "state" and len(path) == 3 else None
             sharded = info is not None and path[2] != "step"
-            if sharded and info.bucket.distributed and list(md.size) == list(info.slot.shape):
+            # A DTensor parameter's state is saved with the parameter's global shape: for a
+            # tensor- or expert-parallel one the TP-global shape, not the slot's (TP-local) one.
+            if (sharded and info.bucket.distributed
+                    and list(md.size) == list(info.bucket.spec_of(info.index).shape)):
                 # A DTensor parameter's state: DCP reads this rank's rows into the template.
                 shape = info.bucket.layout.local_shape(info.index)
                 value = dtensor_params.as_dtensor(
