@@ -7,7 +7,8 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
 - a checkpoint saved by one implementation at step 3 resumes under the other, and the resumed
   run's steps 4-6 agree bitwise with the uninterrupted runs' (both directions);
 - the same for its Qwen3 MoE (EP 1 at world 2 and 4; EP 2 at world 4, on its default spmd_types
-  backend and its partial_dtensor one, with a checkpoint resumed across implementations).
+  backend, with a checkpoint resumed across implementations, and on its partial_dtensor and
+  full_dtensor ones).
 """
 from __future__ import annotations
 
@@ -99,6 +100,9 @@ def test_torchtitan_trainer_qwen3_moe_matches_torch_fsdp2(tmp_path, world_size, 
     # experts are DTensors Shard(0) on `ep`, their mesh-info the 1-D efsdp mesh; 4 experts:
     # Shard(0) again over efsdp, a strided shard of the global rows
     ("partial_dtensor", 4, 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))", False),
+    # every parameter a DTensor on its storage mesh: the experts (Replicate(), Shard(0)) on
+    # (efsdp, ep), their gradients Partial over efsdp
+    ("full_dtensor", 2, 1, "(Shard(dim=1), Shard(dim=0))", False),
 ])
 def test_torchtitan_trainer_qwen3_moe_ep2_matches_torch_fsdp2(tmp_path, backend, num_experts,
                                                               top_k, placement, resume):
