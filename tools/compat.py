@@ -133,19 +133,23 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
                                         "Shard(dim) for any dim (uneven sizes padded; torch "
                                         "refuses them for dim > 0) or None; torch's "
                                         "ShardPlacementResult with an FSDPMeshInfo or "
-                                        "HSDPMeshInfo (a parameter's own mesh: not with CPU "
-                                        "offload or reshard_after_forward=int), or fsdp_ext's "
-                                        "MeshPlacement; other placements refused naming the "
-                                        "parameter"),
+                                        "HSDPMeshInfo (with CPU offload and "
+                                        "reshard_after_forward=k too), a mesh-info over named "
+                                        "axes (spmd_types-annotated or storage-mesh DTensor "
+                                        "experts), or fsdp_ext's MeshPlacement; expert-parallel "
+                                        "DTensors sharded again over their own mesh "
+                                        "(`test_expert_parallel.py`, torchtitan's trainer at "
+                                        "EP 2); other placements refused naming the parameter"),
     "fully_shard(mp_policy)": (TESTED, "f2.arguments", ""),
     "fully_shard(offload_policy)": (TESTED, "f2.arguments", ""),
     "fully_shard(ignored_params)": (TESTED, "f2.ignored", ""),
     "fully_shard(dp_mesh_dims)": (PARTLY, "dp.hsdp",
                                   "the named axes of the SPMD mesh (one shard axis, several "
                                   "flattened, HSDP, replicate only) with plain parameters, as "
-                                  "torchtitan's spmd_types backend passes them; a DTensor "
-                                  "parameter on that mesh, or another axis of several ranks "
-                                  "(TP), refused naming the parameter"),
+                                  "torchtitan's spmd_types backend passes them, or DTensors "
+                                  "on that mesh (its full_dtensor backend, one shard axis); "
+                                  "another axis of several ranks (TP), or a DTensor on another "
+                                  "mesh, refused naming the parameter"),
     "fully_shard(module)": (TESTED, "f2.lists",
                             "a module, or a list of modules sharded as one unit"),
     # ---- FSDPModule methods ----
