@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .placement_scripts import trained
+
 EXPERTS, DIM, HIDDEN = 4, 8, 16
 
 
@@ -143,7 +145,4 @@ def train(fsdp, rank: int, world: int, spelling: str, dim: int = 0, steps: int =
         losses.append(total)
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         opt.step()
-    return dict(losses=losses, grads=grads,
-                params={n: p.full_tensor() for n, p in model.named_parameters()},
-                placements={n: str(p.placements) for n, p in model.named_parameters()},
-                local_shapes={n: tuple(p.to_local().shape) for n, p in model.named_parameters()})
+    return trained(model, losses, grads)

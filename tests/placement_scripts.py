@@ -86,6 +86,12 @@ def train(fsdp, rank: int, world: int, placement_fn=experts_on(1), steps: int = 
         losses.append(loss.detach())
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         opt.step()
+    return trained(model, losses, grads)
+
+
+def trained(model: nn.Module, losses: list, grads: dict) -> dict:
+    """What a training script returns: its losses and last gradients, and each parameter's full
+    value, placements and local shape."""
     return dict(losses=losses, grads=grads,
                 params={n: p.full_tensor() for n, p in model.named_parameters()},
                 placements={n: str(p.placements) for n, p in model.named_parameters()},
