@@ -196,7 +196,7 @@ def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):
     losses = []
     for step in range(steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        loss = model(DTensor.from_local(x, mesh, [Shard(0)])).square().mean()
+        loss = model(DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -214,12 +214,21 @@ def check_full_dtensor(rank, world):
              _run_full_dtensor(torch_fsdp, mesh, dims, rank))
 
 
+def check_full_dtensor_hsdp(rank, world):
+    """The same on (dp_replicate 2, dp_shard 2): Replicate() kept on the replicate axis."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    dims = DIMS(shard="dp_shard", replicate="dp_replicate")
+    _compare("full_dtensor parameters, HSDP", _run_full_dtensor(fsdp_ext, mesh, dims, rank),
+             _run_full_dtensor(torch_fsdp, mesh, dims, rank))
+
+
 def _worker2(rank, world):
     run_checks([check_one_shard_axis, check_full_dtensor], rank, world)
 
 
 def _worker4(rank, world):
-    run_checks([check_hsdp, check_flattened_shard_axes, check_replicate_only, check_bad_input],
+    run_checks([check_hsdp, check_flattened_shard_axes, check_replicate_only, check_bad_input,
+                check_full_dtensor_hsdp],
                rank, world)
 
 

@@ -29,8 +29,25 @@ from torch.distributed.tensor.placement_types import _StridedShard
 class TensorParallel:
     """A DTensor on a 1-D TP / EP mesh; `spec` is its (the module's) DTensorSpec."""
 
+    hybrid_own_mesh = False  # its data-parallel mesh is 1-D: face_spec concatenates it with TP's
+
     def __init__(self, spec: DTensorSpec):
         self.spec = spec
+
+    def check(self, where: str, storage_axes) -> None:
+        """Refuse what fully_shard cannot shard: a DTensor on another mesh than the storage
+        mesh dp_mesh_dims names (`storage_axes`), or on a TP mesh of several dims."""
+        if storage_axes is not None:
+            raise NotImplementedError(
+                f"{where} is a DTensor on {self.spec.mesh} ({self.spec.placements}); with "
+                "dp_mesh_dims fsdp_ext shards plain parameters (torchtitan's spmd_types backend) "
+                "and DTensors on the SPMD mesh it names (its full_dtensor backend), not DTensors "
+                "on another mesh")
+        if self.spec.mesh.ndim != 1:
+            raise NotImplementedError(
+                f"{where} is already a DTensor on a {self.spec.mesh.ndim}-D mesh: fully_shard "
+                "shards tensor-parallel parameters of a 1-D TP mesh, or DTensors on the storage "
+                "mesh dp_mesh_dims names")
 
     def face_spec(self, dp_mesh: DeviceMesh, dim: int) -> DTensorSpec:
         """Sharded along `dim` of the local tensor on `dp_mesh`: the (dp, tp) mesh, the dp
@@ -68,6 +85,9 @@ class TensorParallel:
 class Annotated(TensorParallel):
     """A plain tensor whose spmd_types annotation on one model-parallel axis gave `spec`."""
 
+    def check(self, where: str, storage_axes) -> None:
+        """(spmd_params.py read it from the storage mesh its mesh-info names.)"""
+
     def compute_view(self, local: torch.Tensor) -> torch.Tensor:
         return local
 
@@ -76,8 +96,13 @@ class OnStorageMesh:
     """A DTensor on the whole storage mesh, whose axes at `data_parallel` (indices) fsdp_ext
     shards over (one shard axis; replicate axes stay Replicate)."""
 
+    hybrid_own_mesh = True  # replicate axes of its storage mesh stay Replicate in face_spec
+
     def __init__(self, spec: DTensorSpec, shard_axis: int, data_parallel: frozenset[int]):
         self.spec, self.shard_axis, self.data_parallel = spec, shard_axis, data_parallel
+
+    def check(self, where: str, storage_axes) -> None:
+        """(on_storage_mesh checked it against the storage mesh.)"""
 
     def face_spec(self, dp_mesh: DeviceMesh, dim: int) -> DTensorSpec:
         """Shard(dim) on the shard axis, strided where an axis after it shards `dim` too, as

@@ -18,7 +18,7 @@ from . import comm, dtensor_params, process_groups
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .model_parallel import Annotated, TensorParallel, on_storage_mesh
+from .model_parallel import TensorParallel, on_storage_mesh
 from .placements import resolve
 from .registry import unit_of
 from .wire import ExactWire
@@ -77,7 +77,9 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
                                          extension, mesh)
             if parallel is not None:  # what its mesh-info's named axes say of it
                 slot = replace(slot, parallel=parallel)
-            _check_parallel(slot, modules[slot.member], storage_axes)
+            if slot.parallel is not None:
+                slot.parallel.check(f"parameter '{slot.fqn}' of "
+                                    f"{type(modules[slot.member]).__name__}", storage_axes)
             dims[id(slot)] = dim
         if own is not None:
             own = meshes.setdefault(own, own)
@@ -213,22 +215,6 @@ def _parallel(param, storage_axes, fqn: str, module: nn.Module):
         return on_storage_mesh(param, *storage_axes,
                                f"fully_shard({type(module).__name__}): parameter '{fqn}'")
     return TensorParallel(param._spec)
-
-
-def _check_parallel(slot: ParamSlot, module: nn.Module, storage_axes) -> None:
-    if not isinstance(slot.parallel, TensorParallel) or isinstance(slot.parallel, Annotated):
-        return
-    if storage_axes is not None:
-        raise NotImplementedError(
-            f"parameter '{slot.fqn}' of {type(module).__name__} is a DTensor on "
-            f"{slot.parallel.spec.mesh} ({slot.parallel.spec.placements}); with dp_mesh_dims "
-            "fsdp_ext shards plain parameters (torchtitan's spmd_types backend) and DTensors on "
-            "the SPMD mesh it names (its full_dtensor backend), not DTensors on another mesh")
-    if slot.parallel.spec.mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter '{slot.fqn}' of {type(module).__name__} is already a DTensor on a "
-            f"{slot.parallel.spec.mesh.ndim}-D mesh: fully_shard shards tensor-parallel "
-            "parameters of a 1-D TP mesh, or DTensors on the storage mesh dp_mesh_dims names")
 
 
 def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:

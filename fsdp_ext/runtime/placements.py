@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from .model_parallel import TensorParallel
 from .spmd_params import parallel_of
 
 
@@ -75,8 +74,8 @@ def resolve(shard_placement_fn, slot, module, subclass: bool,
         raise NotImplementedError(f"{where} asks for Shard({dim}) on a mesh of its own or a "
                                   "dim > 0: a tensor-subclass parameter is sharded along dim 0 "
                                   "over the unit's mesh only")
-    if mesh is not None and mesh.ndim == 2 and isinstance(parallel or slot.parallel,
-                                                          TensorParallel):
+    split = parallel or slot.parallel
+    if mesh is not None and mesh.ndim == 2 and split is not None and not split.hybrid_own_mesh:
         raise NotImplementedError(f"{where} puts a tensor- or expert-parallel parameter on a 2-D "
                                   "(replicate, shard) mesh of its own: fsdp_ext shards such "
                                   "parameters over a 1-D data-parallel mesh")
