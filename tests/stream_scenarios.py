@@ -143,12 +143,15 @@ def comm_policy(rank: int, world_size: int) -> None:
 def own_meshes(rank: int, world_size: int) -> None:
     """Parameters on meshes of their own (one all-gather per mesh per unit): Shard(1) experts
     over an efsdp mesh, with CPU offload, with reshard_after_forward=2 (world 4), and expert-
-    parallel weights split over ep and sharded again over efsdp; each against torch's
-    fully_shard on the same script."""
-    from . import test_expert_parallel, test_placements
+    parallel weights split over ep and sharded again over efsdp (annotated, and DTensors on the
+    storage mesh), DTensor parameters on the storage mesh dp_mesh_dims names; each against
+    torch's fully_shard on the same script."""
+    from . import test_dp_mesh_dims, test_expert_parallel, test_placements
     test_placements.check_own_meshes(rank, world_size)
     test_placements.check_own_mesh_offload(rank, world_size, pin_memory=True)
     test_expert_parallel.check_spmd_types_shard0(rank, world_size)
+    test_expert_parallel.check_storage_shard1(rank, world_size)
+    test_dp_mesh_dims.check_full_dtensor(rank, world_size)
     if world_size == 4:
         test_placements.check_own_mesh_reshard_after_forward_k(rank, world_size)
 
