@@ -1,10 +1,12 @@
 """`fully_shard(mesh=<SPMD mesh>, dp_mesh_dims=...)` (torchtitan's default `spmd_types` backend
 passes its dense storage mesh so) under torch's fully_shard and fsdp_ext's on the same script: the
-parameters plain tensors annotated `R` on every axis, as that backend leaves them (or Replicate
-DTensors on the mesh, as its `full_dtensor` backend makes them). One shard axis (world 2); HSDP (dp_replicate=2, dp_shard=2), two shard axes flattened (dp_shard=2, cp=2) and
+parameters plain tensors annotated `R` on every axis, as that backend leaves them. One shard axis
+(world 2); HSDP (dp_replicate=2, dp_shard=2), two shard axes flattened (dp_shard=2, cp=2) and
 replicate only (world 4, slow): losses and trained parameters equal to torch's, the sharded
 parameters' placements and local shapes torch's, DCP checkpoints written by either read by the
-other; bad input refused at the call, naming what is wrong."""
+other; bad input refused at the call, naming what is wrong. The parameters as its `full_dtensor`
+backend makes them, DTensors on the mesh: one shard axis (world 2), HSDP and a tensor-parallel
+axis (world 4, slow)."""
 from __future__ import annotations
 
 import pytest
@@ -32,17 +34,6 @@ def _annotate(model: nn.Module, mesh) -> None:
     axes = {spmd.MeshAxis.of(mesh.get_group(name)): spmd.R for name in mesh.mesh_dim_names}
     for param in model.parameters():
         spmd.assert_type(param, axes)
-
-
-def _replicate(model: nn.Module, mesh) -> None:
-    """What torchtitan's full_dtensor backend does to a parameter it does not split: a DTensor
-    on the storage mesh, Replicate() on every axis."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = nn.Parameter(distribute_tensor(
-                    param.detach(), mesh, [Replicate()] * mesh.ndim))
 
 
 def _run(fsdp, mesh, dims, rank, steps=3):
@@ -178,15 +169,25 @@ def check_bad_input(rank, world):
 
 
 def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):
-    """_run's training for parameters as torchtitan's full_dtensor backend makes them: Replicate
-    DTensors on the storage mesh, and inputs DTensors Shard(0) over the data-parallel axis (the
-    loss a mean over the global batch, its gradient Partial there, which the reduce-scatter
-    sums). An MLP: DTensor has no CPU attention strategy."""
-    from torch.distributed.tensor import DTensor, Shard
+    """_run's training for parameters as torchtitan's full_dtensor backend makes them: DTensors
+    on the storage mesh, Replicate() but on a "tp" axis, and inputs DTensors Shard(0) over the
+    data-parallel axes (the loss a mean over the global batch, its gradient Partial there, which
+    the reduce-scatter sums). An MLP: DTensor has no CPU attention strategy."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
                             for _ in range(2)))
-    _replicate(model, mesh)
+    names = mesh.mesh_dim_names
+    # a "tp" axis: each block's first Linear column-wise (Shard(0)), its second row-wise
+    tp = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}
+    for block in model:
+        for index in (0, 2):
+            for leaf in ("weight", "bias"):
+                placements = [tp.get(f"{index}.{leaf}", Replicate()) if n == "tp" else Replicate()
+                              for n in names]
+                layer = block[index]
+                setattr(layer, leaf, nn.Parameter(distribute_tensor(
+                    getattr(layer, leaf).detach(), mesh, placements)))
     for block in model:
         fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
     fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
@@ -196,7 +197,8 @@ def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):
     losses = []
     for step in range(steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        loss = model(DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim)).square().mean()
+        loss = model(DTensor.from_local(x, mesh, [Replicate() if n == "tp" else Shard(0)
+                                                  for n in names])).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -222,13 +224,22 @@ def check_full_dtensor_hsdp(rank, world):
              _run_full_dtensor(torch_fsdp, mesh, dims, rank))
 
 
+def check_full_dtensor_tensor_parallel(rank, world):
+    """The same on (dp_shard 2, tp 2), the Linear layers' DTensors split over tp too: the
+    gradients' Partial on dp_shard kept for the reduce-scatter, tp's placements restored."""
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+    dims = DIMS(shard="dp_shard")
+    _compare("full_dtensor parameters, TP", _run_full_dtensor(fsdp_ext, mesh, dims, rank),
+             _run_full_dtensor(torch_fsdp, mesh, dims, rank))
+
+
 def _worker2(rank, world):
     run_checks([check_one_shard_axis, check_full_dtensor], rank, world)
 
 
 def _worker4(rank, world):
     run_checks([check_hsdp, check_flattened_shard_axes, check_replicate_only, check_bad_input,
-                check_full_dtensor_hsdp],
+                check_full_dtensor_hsdp, check_full_dtensor_tensor_parallel],
                rank, world)
 
 

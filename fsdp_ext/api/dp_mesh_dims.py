@@ -10,16 +10,18 @@ the unit is what `fully_shard(mesh=<that mesh>)` makes of it.
 
 The parameters must hold their data-parallel values whole on every rank: plain tensors (torchtitan's
 `spmd_types` backend annotates them with the `R` type on those axes) or DTensors on the SPMD mesh,
-Replicate on those axes (its `full_dtensor` backend: runtime/model_parallel.OnStorageMesh), and no
-axis outside the named ones may have more than one rank. A DTensor on another mesh, or a mesh whose
-other axes (tensor or context parallel, not flattened into the shard axes) have several ranks, is
-refused naming the parameter and the axes.
+Replicate on those axes (its `full_dtensor` backend: runtime/model_parallel.OnStorageMesh). Another
+axis (tensor parallel) may have several ranks only under DTensor parameters, whose placements say
+what they hold there. A DTensor on another mesh, or a plain parameter on a mesh whose other axes
+(tensor or context parallel, not flattened into the shard axes) have several ranks, is refused
+naming the parameter and the axes.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..runtime.registry import unit_of
 
@@ -89,16 +91,19 @@ def _unit_params(members: list[nn.Module]):
 
 
 def _check_params(members: list[nn.Module], model_parallel: dict[str, int], where: str) -> None:
-    """(A DTensor on another mesh is refused once its shard_placement_fn has been asked:
-    param_buckets._check_parallel.)"""
-    for name, _ in _unit_params(members):
-        if model_parallel:
+    """A plain parameter where another axis has several ranks is refused: what it holds there
+    (and what its gradient needs) only its annotations would say. A DTensor says it itself
+    (model_parallel.OnStorageMesh); one on another mesh is refused once its shard_placement_fn
+    has been asked (model_parallel.TensorParallel.check)."""
+    for name, param in _unit_params(members):
+        if model_parallel and not isinstance(param, DTensor):
             axes = ", ".join(f"'{n}' ({s} ranks)" for n, s in model_parallel.items())
             raise NotImplementedError(
                 f"{where}: the mesh's axes {axes} are not data-parallel, so parameter "
-                f"'{name}' would be split over them; fsdp_ext shards over dp_mesh_dims only "
-                "when every other axis has one rank (tensor parallelism: the partial_dtensor "
-                "backend, or parallelize_module on a mesh of its own and fully_shard on the "
-                "data-parallel mesh)")
+                f"'{name}' would be split over them; with a plain parameter fsdp_ext shards "
+                "over dp_mesh_dims only when every other axis has one rank (tensor "
+                "parallelism: torchtitan's full_dtensor or partial_dtensor backend, or "
+                "parallelize_module on a mesh of its own and fully_shard on the data-parallel "
+                "mesh)")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{where}: dp_mesh_dims needs an initialised process group")
