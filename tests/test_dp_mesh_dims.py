@@ -145,16 +145,17 @@ def check_replicate_only(rank, world):
 
 
 def check_bad_input(rank, world):
-    """A name not in the mesh: torch's ValueError, with the name; an axis that is neither shard nor
-    replicate with several ranks, or a DTensor parameter on another mesh: refused naming the
-    parameter."""
+    """A name not in the mesh: torch's ValueError, with the name; a plain parameter without an
+    annotation on an axis that is neither shard nor replicate with several ranks, or a DTensor
+    parameter on another mesh: refused naming the parameter."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     for fsdp in (torch_fsdp, fsdp_ext):
         with pytest.raises(ValueError, match="'dp'"):
             fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DIMS(shard="dp"))
     with pytest.raises(ValueError, match="At least one of shard or replicate"):
         DIMS()
-    with pytest.raises(NotImplementedError, match=r"'tp' \(2 ranks\).*parameter 'weight'"):
+    with pytest.raises(ValueError, match=r"parameter 'weight'.*no spmd_types annotation on the "
+                                          r"storage mesh's axis 'tp'"):
         tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
         fsdp_ext.fully_shard(nn.Linear(4, 4), mesh=tp_mesh, dp_mesh_dims=DIMS(shard="dp_shard"))
     layer = nn.Linear(4, 4)

@@ -87,10 +87,10 @@ def check_refusals(rank, world):
                 ShardPlacementResult(Shard(0), info) if p is param else None))
         assert not isinstance(block, fsdp_ext.FSDPModule)
 
-    replicated = nn.Parameter(torch.zeros(2, scripts.DIM, scripts.HIDDEN))
-    spmd.assert_type(replicated, {efsdp: spmd.R, ep: spmd.R})
-    refused(replicated, NotImplementedError, r"'experts.w1': annotated R on the model-parallel "
-                                                   r"axis 'ep'")
+    partial = nn.Parameter(torch.zeros(2, scripts.DIM, scripts.HIDDEN))
+    spmd.assert_type(partial, {efsdp: spmd.R, ep: spmd.P})
+    refused(partial, NotImplementedError, r"'experts.w1': annotated P on the model-parallel "
+                                          r"axis 'ep'")
     unannotated = nn.Parameter(torch.zeros(2, scripts.DIM, scripts.HIDDEN))
     refused(unannotated, ValueError, r"'experts.w1': no spmd_types annotation on the storage "
                                      r"mesh's axis 'ep'")

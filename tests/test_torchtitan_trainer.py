@@ -6,6 +6,7 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
 - the losses, the largest per-rank loss and the gradient norm agree bitwise every step;
 - a checkpoint saved by one implementation at step 3 resumes under the other, and the resumed
   run's steps 4-6 agree bitwise with the uninterrupted runs' (both directions);
+- the same at world 4 with tensor parallelism 2, on its default backend and on full_dtensor;
 - the same for its Qwen3 MoE (EP 1 at world 2 and 4; EP 2 at world 4, on its default spmd_types
   backend, with a checkpoint resumed across implementations, and on its partial_dtensor and
   full_dtensor ones).
@@ -65,6 +66,24 @@ def test_torchtitan_trainer_hsdp_world4_matches_torch_fsdp2(tmp_path):
         assert f"FSDP implementation: {impl} (" in log
         runs[impl] = _trajectory(records)
         assert sorted(runs[impl]) == [1, 2, 3, 4]
+    assert runs["fsdp_ext"] == runs["torch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])
+def test_torchtitan_trainer_tensor_parallel_matches_torch_fsdp2(tmp_path, backend):
+    """World 4 as (dp_shard 2, tp 2): torchtitan's tensor parallelism on its default backend
+    (plain weights annotated S(dim) on tp, norms R: their gradients summed over tp) and on
+    full_dtensor (DTensors on the storage mesh): losses and gradient norms bitwise equal."""
+    assets = make_assets(str(tmp_path / "assets"))
+    tp = ["--training.steps", "3", "--parallelism.tensor_parallel_degree", "2",
+          "--parallelism.spmd_backend", backend]
+    runs = {}
+    for impl in ("torch", "fsdp_ext"):
+        records, log = launch(impl, str(tmp_path / impl), assets, tp, world_size=4)
+        assert f"FSDP implementation: {impl} (" in log
+        runs[impl] = _trajectory(records)
+        assert sorted(runs[impl]) == [1, 2, 3]
     assert runs["fsdp_ext"] == runs["torch"]
 
 

@@ -147,10 +147,10 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
                                   "the named axes of the SPMD mesh (one shard axis, several "
                                   "flattened, HSDP, replicate only) with plain parameters, as "
                                   "torchtitan's spmd_types backend passes them, or DTensors "
-                                  "on that mesh (its full_dtensor backend, one shard axis, "
-                                  "TP axes too); another axis of several ranks under plain "
-                                  "parameters (TP with spmd_types), or a DTensor on another "
-                                  "mesh, refused naming the parameter"),
+                                  "on that mesh (its full_dtensor backend, one shard axis); "
+                                  "a TP axis read from the DTensors' placements or the "
+                                  "annotations (S(dim), R, I); a missing annotation, or a "
+                                  "DTensor on another mesh, refused naming the parameter"),
     "fully_shard(module)": (TESTED, "f2.lists",
                             "a module, or a list of modules sharded as one unit"),
     # ---- FSDPModule methods ----

@@ -11,26 +11,22 @@ the unit is what `fully_shard(mesh=<that mesh>)` makes of it.
 The parameters must hold their data-parallel values whole on every rank: plain tensors (torchtitan's
 `spmd_types` backend annotates them with the `R` type on those axes) or DTensors on the SPMD mesh,
 Replicate on those axes (its `full_dtensor` backend: runtime/model_parallel.OnStorageMesh). Another
-axis (tensor parallel) may have several ranks only under DTensor parameters, whose placements say
-what they hold there. A DTensor on another mesh, or a plain parameter on a mesh whose other axes
-(tensor or context parallel, not flattened into the shard axes) have several ranks, is refused
-naming the parameter and the axes.
+axis of several ranks (tensor parallel) is read from what the parameter says of it: a DTensor's
+placements, a plain tensor's spmd_types annotation (runtime/spmd_params.py: S(dim), R or I; a
+missing one, or a second such axis, refused naming the parameter). A DTensor on another mesh is
+refused naming the parameter.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-
-from ..runtime.registry import unit_of
 
 
-def data_parallel_mesh(members: list[nn.Module], mesh: DeviceMesh | None, dp_mesh_dims,
+def data_parallel_mesh(mesh: DeviceMesh | None, dp_mesh_dims,
                        where: str) -> tuple[DeviceMesh | None, tuple | None, tuple]:
     """(mesh, process_group) for the unit, as `fully_shard` takes them, from the SPMD mesh and
     its data-parallel axes, and (the SPMD mesh, the shard axes' names, the replicate axes'),
-    which its DTensor parameters are read on; raises ValueError / NotImplementedError naming what
+    which its parameters are read on; raises ValueError / NotImplementedError naming what
     is wrong."""
     shard_names, replicate_names = _names(dp_mesh_dims, where)
     if mesh is None:
@@ -45,9 +41,11 @@ def data_parallel_mesh(members: list[nn.Module], mesh: DeviceMesh | None, dp_mes
     both = set(shard_names) & set(replicate_names)
     if both:
         raise ValueError(f"{where}: dp_mesh_dims names {sorted(both)} as both shard and replicate")
-    others = {n: mesh.size(names.index(n)) for n in names
-              if n not in shard_names and n not in replicate_names}
-    _check_params(members, {n: s for n, s in others.items() if s > 1}, where)
+    # What a parameter holds on another axis of several ranks its own type says: a DTensor's
+    # placements (model_parallel.OnStorageMesh), a plain tensor's spmd_types annotations
+    # (spmd_params.py, which refuses a missing one naming the parameter).
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{where}: dp_mesh_dims needs an initialised process group")
     storage_axes = (mesh, shard_names, replicate_names)
     if not shard_names:  # replicate only: no shard group
         return None, (None, _submesh(mesh, replicate_names).get_group()), storage_axes
@@ -76,34 +74,3 @@ def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     if len(names) == 1:
         return mesh[names[0]]
     return mesh[names]._flatten("_".join(names))
-
-
-def _unit_params(members: list[nn.Module]):
-    """(name, parameter) of what this call shards: not those of submodules sharded before."""
-    for member in members:
-        stack = [("", member)]
-        while stack:
-            prefix, module = stack.pop()
-            for name, param in module.named_parameters(prefix=prefix.rstrip("."), recurse=False):
-                yield name, param
-            stack.extend((f"{prefix}{n}.", c) for n, c in module.named_children()
-                         if unit_of(c) is None)
-
-
-def _check_params(members: list[nn.Module], model_parallel: dict[str, int], where: str) -> None:
-    """A plain parameter where another axis has several ranks is refused: what it holds there
-    (and what its gradient needs) only its annotations would say. A DTensor says it itself
-    (model_parallel.OnStorageMesh); one on another mesh is refused once its shard_placement_fn
-    has been asked (model_parallel.TensorParallel.check)."""
-    for name, param in _unit_params(members):
-        if model_parallel and not isinstance(param, DTensor):
-            axes = ", ".join(f"'{n}' ({s} ranks)" for n, s in model_parallel.items())
-            raise NotImplementedError(
-                f"{where}: the mesh's axes {axes} are not data-parallel, so parameter "
-                f"'{name}' would be split over them; with a plain parameter fsdp_ext shards "
-                "over dp_mesh_dims only when every other axis has one rank (tensor "
-                "parallelism: torchtitan's full_dtensor or partial_dtensor backend, or "
-                "parallelize_module on a mesh of its own and fully_shard on the data-parallel "
-                "mesh)")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"{where}: dp_mesh_dims needs an initialised process group")

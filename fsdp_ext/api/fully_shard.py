@@ -133,7 +133,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             raise ValueError(f"fully_shard({type(members[0]).__name__}): dp_mesh_dims names axes "
                              "of `mesh`; pass no process_group with it")
         mesh, process_group, storage_axes = data_parallel_mesh(
-            members, mesh, dp_mesh_dims, f"fully_shard({type(members[0]).__name__})")
+            mesh, dp_mesh_dims, f"fully_shard({type(members[0]).__name__})")
     else:
         storage_axes = None
     if mesh is None and process_group is None:

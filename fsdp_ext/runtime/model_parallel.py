@@ -20,6 +20,7 @@ a rank's part of the gradient is summed for a norm, besides the data-parallel on
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -83,13 +84,34 @@ class TensorParallel:
 
 
 class Annotated(TensorParallel):
-    """A plain tensor whose spmd_types annotation on one model-parallel axis gave `spec`."""
+    """A plain tensor whose spmd_types annotation on one model-parallel axis gave `spec`; its
+    gradient summed over `sum_over` (R there: each rank holds part of it)."""
+
+    def __init__(self, spec: DTensorSpec, sum_over: tuple = ()):
+        super().__init__(spec)
+        self.sum_over = sum_over
 
     def check(self, where: str, storage_axes) -> None:
         """(spmd_params.py read it from the storage mesh its mesh-info names.)"""
 
     def compute_view(self, local: torch.Tensor) -> torch.Tensor:
-        return local
+        return _SumGradient.apply(local, self.sum_over) if self.sum_over else local
+
+
+class _SumGradient(torch.autograd.Function):
+    """The tensor itself; backward sums its gradient over `groups` (each rank's part)."""
+
+    @staticmethod
+    def forward(ctx, local, groups):
+        ctx.groups = groups
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(grad, group=group)
+        return grad, None
 
 
 class OnStorageMesh:

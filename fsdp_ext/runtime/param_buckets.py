@@ -18,8 +18,9 @@ from . import comm, dtensor_params, process_groups
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .model_parallel import TensorParallel, on_storage_mesh
+from .model_parallel import TensorParallel
 from .placements import resolve
+from .spmd_params import parallel_of
 from .registry import unit_of
 from .wire import ExactWire
 from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
@@ -172,8 +173,10 @@ def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int],
                 slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.to_local().shape,
                                              parallel=_parallel(param, storage_axes, fqn, module),
                                              member=member)
-            else:
-                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape, member=member)
+            else:  # annotated on the storage mesh dp_mesh_dims names: maybe split there
+                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape,
+                                             parallel=_parallel(param, storage_axes, fqn, module),
+                                             member=member)
         for name, child in reversed(list(mod._modules.items())):
             if child is None:
                 continue
@@ -208,13 +211,15 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
 
 
 def _parallel(param, storage_axes, fqn: str, module: nn.Module):
-    """A DTensor parameter's split (model_parallel.py): on the storage mesh `storage_axes` names
-    (mesh, shard axis names, replicate axis names; fully_shard's dp_mesh_dims), or on a
-    tensor-parallel mesh of its own."""
-    if storage_axes is not None and param.device_mesh == storage_axes[0]:
-        return on_storage_mesh(param, *storage_axes,
-                               f"fully_shard({type(module).__name__}): parameter '{fqn}'")
-    return TensorParallel(param._spec)
+    """How model parallelism split a parameter (model_parallel.py): as the storage mesh
+    `storage_axes` names says (mesh, shard axis names, replicate axis names; fully_shard's
+    dp_mesh_dims: a DTensor on it, or a plain tensor's annotations there), else a DTensor on a
+    tensor-parallel mesh of its own, or nothing (a plain tensor)."""
+    if storage_axes is not None and (not dtensor_params.is_dtensor(param)
+                                     or param.device_mesh == storage_axes[0]):
+        return parallel_of(param, *storage_axes,
+                           f"fully_shard({type(module).__name__}): parameter '{fqn}'")
+    return TensorParallel(param._spec) if dtensor_params.is_dtensor(param) else None
 
 
 def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:

@@ -1,7 +1,8 @@
-"""Parameters of torchtitan's `spmd_types` backend on a mesh of their own (its routed experts under
-expert parallelism): plain tensors holding this rank's part of the weight, annotated with
-spmd_types on the axes of a storage mesh, which a ShardPlacementResult's mesh-info names with
-`dp_mesh_dims` (`efsdp` data-parallel; `ep` not).
+"""Parameters of torchtitan's `spmd_types` backend split by model parallelism (its routed experts
+under expert parallelism, its tensor-parallel weights): plain tensors holding this rank's part of
+the weight, annotated with spmd_types on the axes of a storage mesh, which fully_shard's
+`dp_mesh_dims`, or a ShardPlacementResult's mesh-info, names (`efsdp` data-parallel, `ep` not;
+`dp_shard` data-parallel, `tp` not).
 
 The data-parallel axes are fsdp_ext's to shard over (the mesh-info's `mesh`); what the annotations
 say of the one other axis with several ranks becomes the parameter's model-parallel spec, the
@@ -9,10 +10,11 @@ part a tensor-parallel DTensor carries itself: e.g. an expert weight `S(0)` over
 experts' rows, so its DTensor face is (Shard(dim) over efsdp, Shard(0) over ep), as torch's
 fully_shard stores it. The module computes with the plain gathered tensor, as it was given.
 
-Taken: `S(dim)` (a shard; its gradient stays sharded) and `I` (invariant: the same values, and
-gradient, on every rank of the axis). Refused naming the parameter: `R` or `P` on that axis
-(its gradient would need a reduction over it, which is the model's own to do), a plain `V`, and
-several such axes. A DTensor on the storage mesh (torchtitan's full_dtensor backend) is read from
+Taken: `S(dim)` (a shard; its gradient stays sharded), `I` (invariant: the same values, and
+gradient, on every rank of the axis) and `R` (the same values, each rank holding part of the
+gradient: summed over the axis in backward, as torch's fully_shard sums it). Refused naming the
+parameter: `P`, a plain `V`, and several such axes. torchtitan's TP under this backend annotates
+its split weights `S(dim)` on `tp` and its norms `R`; its experts `S(0)` on `ep`. A DTensor on the storage mesh (torchtitan's full_dtensor backend) is read from
 its own placements instead (model_parallel.OnStorageMesh).
 """
 from __future__ import annotations
@@ -24,15 +26,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .model_parallel import Annotated, on_storage_mesh
 
 
-def parallel_of(param: torch.Tensor, mesh_info, where: str):
-    """How model parallelism split `param`, given with a mesh-info over named axes: a DTensor on
-    its storage mesh (OnStorageMesh), an annotated plain tensor with a model-parallel axis of
-    several ranks (Annotated), or None (a plain tensor whole there)."""
-    mesh, dims = mesh_info.spmd_mesh, mesh_info.dp_mesh_dims
+def parallel_of(param: torch.Tensor, mesh, shard_names, replicate_names, where: str):
+    """How model parallelism split `param`, given on the storage mesh `mesh` whose data-parallel
+    axes are named: a DTensor on that mesh (OnStorageMesh), an annotated plain tensor with a
+    model-parallel axis of several ranks (Annotated), or None (a plain tensor whole there)."""
     if isinstance(param, DTensor):
-        return on_storage_mesh(param, mesh, dims.shard_names, dims.replicate_names, where)
+        return on_storage_mesh(param, mesh, shard_names, replicate_names, where)
     names = mesh.mesh_dim_names
-    data_parallel = {*dims.shard_names, *dims.replicate_names}
+    data_parallel = {*shard_names, *replicate_names}
     others = [n for n in names if n not in data_parallel and mesh.size(names.index(n)) > 1]
     if not others:
         return None
@@ -43,13 +44,18 @@ def parallel_of(param: torch.Tensor, mesh_info, where: str):
     axis_name = others[0]
     kind = _annotation(param, mesh, axis_name, where)
     placement = _placement(kind, axis_name, where)
+    import spmd_types as spmd
+    # R: the same values on every rank of the axis, each holding part of the gradient (its
+    # backward type is P): summed over the axis before the data-parallel reduction, as torch's
+    # fully_shard redistributes it (Partial -> Replicate)
+    sum_over = (mesh.get_group(axis_name),) if kind is spmd.R else ()
     size = mesh.size(names.index(axis_name))
     shape = list(param.shape)
     if isinstance(placement, Shard):
         shape[placement.dim] *= size
     shape = torch.Size(shape)
     meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), param.dtype)
-    return Annotated(DTensorSpec(mesh[axis_name], (placement,), tensor_meta=meta))
+    return Annotated(DTensorSpec(mesh[axis_name], (placement,), tensor_meta=meta), sum_over)
 
 
 def _annotation(param: torch.Tensor, mesh, axis_name: str, where: str):
@@ -75,12 +81,12 @@ def _annotation(param: torch.Tensor, mesh, axis_name: str, where: str):
 def _placement(kind, axis_name: str, where: str):
     import spmd_types as spmd
 
-    if kind is spmd.I:
+    if kind is spmd.I or kind is spmd.R:
         return Replicate()
     if isinstance(kind, spmd.S):
         return Shard(kind.dim)
     raise NotImplementedError(
         f"{where}: annotated {getattr(kind, 'name', kind)} on the model-parallel axis "
-        f"'{axis_name}'; fsdp_ext takes S(dim) "
-        "(sharded there) or I (invariant) on it: R and P would leave a gradient reduction over "
-        "that axis, a plain V says nothing of which dim is split")
+        f"'{axis_name}'; fsdp_ext takes S(dim) (sharded there), R (replicated, its gradient "
+        "summed there) or I (invariant) on it: a P parameter has no whole value, a plain V "
+        "says nothing of which dim is split")
