@@ -11,6 +11,9 @@ implementation (`fsdp`: torch.distributed.fsdp or fsdp_ext), in torchtitan's two
                   (torchtitan's default spmd_types backend)
     "storage"     the experts are DTensors (Replicate(), Shard(0)) on the (efsdp, ep) mesh, with
                   that mesh-info (torchtitan's full_dtensor backend)
+    "replicated"  every expert whole on every rank, annotated R on `ep` too (as that backend
+                  annotates a tensor-parallel model's norms): each ep rank's gradient is a part,
+                  summed over ep
 
 There is no token dispatch: every token goes through each of the rank's own experts, so ranks of
 one `ep` group compute with different experts; what is compared is the two implementations on
@@ -89,7 +92,12 @@ def split_experts(model: Model, sparse, spelling: str) -> set:
         for name in ("w1", "w2"):
             full = getattr(block.experts, name).detach()
             mine = full.chunk(size)[rank].clone()
-            if spelling == "dtensor":
+            if spelling == "replicated":
+                import spmd_types as spmd
+                param = nn.Parameter(full.clone())
+                spmd.assert_type(param, {spmd.MeshAxis.of(sparse.get_group("efsdp")): spmd.R,
+                                         spmd.MeshAxis.of(sparse.get_group("ep")): spmd.R})
+            elif spelling == "dtensor":
                 param = nn.Parameter(DTensor.from_local(mine, ep, [Shard(0)], run_check=False))
             elif spelling == "storage":
                 param = nn.Parameter(DTensor.from_local(mine, sparse, [Replicate(), Shard(0)],
@@ -111,6 +119,7 @@ def expert_mesh_info(sparse, spelling: str):
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     if spelling == "dtensor":
         return FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
+    # (the others: the storage mesh's axes named, as torchtitan's SPMD backends pass them)
     return _get_mesh_info(sparse, DataParallelMeshDims(shard="efsdp"))
 
 

@@ -151,6 +151,7 @@ def own_meshes(rank: int, world_size: int) -> None:
     test_placements.check_own_mesh_offload(rank, world_size, pin_memory=True)
     test_expert_parallel.check_spmd_types_shard0(rank, world_size)
     test_expert_parallel.check_storage_shard1(rank, world_size)
+    test_expert_parallel.check_replicated_sums_over_ep(rank, world_size)  # (its all-reduce)
     test_dp_mesh_dims.check_full_dtensor(rank, world_size)
     if world_size == 4:
         test_placements.check_own_mesh_reshard_after_forward_k(rank, world_size)

@@ -60,6 +60,11 @@ def check_storage_shard1(rank, world):
     _against_torch(rank, world, "storage", 1, SHARD_1)
 
 
+def check_replicated_sums_over_ep(rank, world):
+    """R on ep: the whole experts on every rank, their gradients summed over ep, as torch's."""
+    _against_torch(rank, world, "replicated", 1, "(Shard(dim=1), Replicate())")
+
+
 def check_spmd_types_shard1(rank, world):
     _against_torch(rank, world, "spmd_types", 1, SHARD_1)
 
@@ -111,7 +116,8 @@ def _world(rank, world, checks):
 def test_expert_parallel_matches_torch_world_2():
     """efsdp of one rank, ep of two."""
     run_distributed(_world, 2, [check_spmd_types_shard0, check_dtensor_shard1,
-                                 check_storage_shard1, check_refusals])
+                                 check_storage_shard1, check_replicated_sums_over_ep,
+                                 check_refusals])
 
 
 @pytest.mark.slow
