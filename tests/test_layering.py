@@ -392,6 +392,8 @@ ALLOWED_KEPT = {
         "the bucket publishes its gradient shard",
     ("runtime/unit_params.py", "ctx.unit"):
         "autograd's ctx: how a Function hands state to backward",
+    ("runtime/model_parallel.py", "ctx.groups"):
+        "autograd's ctx: how a Function hands state to backward",
     ("runtime/dtensor_params.py", "dtensor._local_tensor"): "DTensor has no setter (as FSDP2 does)",
     ("runtime/dtensor_params.py", "param._local_tensor"): "DTensor has no setter (as FSDP2 does)",
     ("runtime/unit_state.py", "setattr(owner, attr)"): "`move`, the checked transition owners call",
