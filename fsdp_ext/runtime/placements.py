@@ -8,16 +8,17 @@ read as torch's fully_shard reads it.
     ShardPlacementResult(p, info)    torch 2.14's per-parameter mesh: `p` (Shard(dim) or None)
                                      over `info.mesh`, an FSDPMeshInfo (1-D mesh) or HSDPMeshInfo
                                      (2-D: replicate, shard), as torch's _get_mesh_info makes them
-                                     (with `dp_mesh_dims`, as torchtitan's spmd_types backend
-                                     makes them: the data-parallel submesh of a storage mesh
-                                     whose other axis, e.g. `ep`, spmd_params.py reads)
+                                     (with `dp_mesh_dims`, as torchtitan's SPMD backends make
+                                     them: the data-parallel submesh of a storage mesh whose
+                                     other axis, e.g. `ep`, the parameter's annotation or
+                                     placements describe: spmd_params.py, model_parallel.py)
     MeshPlacement(p, mesh)           the same without torch's internals: a 1-D or 2-D DeviceMesh
 
 A unit's parameters on other meshes form buckets of their own (param_buckets.py), gathered and
 reduced over their mesh's groups. Refused at the call, naming the parameter: a dim out of range;
 another placement type; a mesh that does not hold this rank; a mesh-info of another kind (DDP
-only); Shard(dim > 0) or another mesh for a tensor-subclass parameter; a 2-D
-mesh of its own for a tensor- or expert-parallel (DTensor) parameter.
+only); Shard(dim > 0) or another mesh for a tensor-subclass parameter; a 2-D mesh of its own
+for a parameter split over a TP / EP mesh of its own (not for one on the storage mesh).
 
 A tensor- or expert-parallel parameter (a DTensor on its TP / EP mesh, as torchtitan's
 expert parallelism makes the routed experts) is sharded along `dim` of its local tensor over its
