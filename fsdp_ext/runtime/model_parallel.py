@@ -66,14 +66,15 @@ class TensorParallel:
     def compute_view(self, local: torch.Tensor) -> torch.Tensor:
         """The DTensor the module computes with; differentiable, so that its gradient comes back
         as the local tensor's (reduced over the TP mesh where the placement was Replicate)."""
+        return self._dtensor(local)
+
+    def full_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        return self._dtensor(local).full_tensor()
+
+    def _dtensor(self, local: torch.Tensor) -> DTensor:
         meta = self.spec.tensor_meta
         return DTensor.from_local(local, self.spec.mesh, self.spec.placements, run_check=False,
                                   shape=meta.shape, stride=meta.stride)
-
-    def full_tensor(self, local: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(local, self.spec.mesh, self.spec.placements, run_check=False,
-                                  shape=self.spec.tensor_meta.shape,
-                                  stride=self.spec.tensor_meta.stride).full_tensor()
 
     def norm_groups(self) -> tuple:
         """The TP group where TP shards the parameter (a TP-replicated gradient is the same on

@@ -57,10 +57,10 @@ def resolve(shard_placement_fn, slot, module, subclass: bool,
     placement, mesh, parallel = result, None, None
     if type(result).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh_info)
         placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
-        if getattr(result.mesh_info, "dp_mesh_dims", None) is not None:
-            info = result.mesh_info
-            parallel = parallel_of(slot.param, info.spmd_mesh, info.dp_mesh_dims.shard_names,
-                                   info.dp_mesh_dims.replicate_names, where)
+        info, dims = result.mesh_info, getattr(result.mesh_info, "dp_mesh_dims", None)
+        if dims is not None:  # named axes of a storage mesh: what the parameter holds there
+            parallel = parallel_of(slot.param, info.spmd_mesh, dims.shard_names,
+                                   dims.replicate_names, where)
     elif isinstance(result, MeshPlacement):
         placement, mesh = result.placement, result.mesh
         if mesh is None or mesh.ndim not in (1, 2):

@@ -14,8 +14,9 @@ Taken: `S(dim)` (a shard; its gradient stays sharded), `I` (invariant: the same 
 gradient, on every rank of the axis) and `R` (the same values, each rank holding part of the
 gradient: summed over the axis in backward, as torch's fully_shard sums it). Refused naming the
 parameter: `P`, a plain `V`, and several such axes. torchtitan's TP under this backend annotates
-its split weights `S(dim)` on `tp` and its norms `R`; its experts `S(0)` on `ep`. A DTensor on the storage mesh (torchtitan's full_dtensor backend) is read from
-its own placements instead (model_parallel.OnStorageMesh).
+its split weights `S(dim)` on `tp` and its norms `R`; its experts `S(0)` on `ep`. A DTensor on
+the storage mesh (torchtitan's full_dtensor backend) is read from its own placements instead
+(model_parallel.OnStorageMesh).
 """
 from __future__ import annotations
 
@@ -38,17 +39,12 @@ def parallel_of(param: torch.Tensor, mesh, shard_names, replicate_names, where: 
     if not others:
         return None
     if len(others) > 1:
-        raise NotImplementedError(f"{where}: its mesh-info's storage mesh has {len(others)} axes "
+        raise NotImplementedError(f"{where}: its storage mesh has {len(others)} axes "
                                   f"besides the data-parallel ones with several ranks {others}; "
                                   "fsdp_ext takes one (expert or tensor parallel)")
     axis_name = others[0]
-    kind = _annotation(param, mesh, axis_name, where)
-    placement = _placement(kind, axis_name, where)
-    import spmd_types as spmd
-    # R: the same values on every rank of the axis, each holding part of the gradient (its
-    # backward type is P): summed over the axis before the data-parallel reduction, as torch's
-    # fully_shard redistributes it (Partial -> Replicate)
-    sum_over = (mesh.get_group(axis_name),) if kind is spmd.R else ()
+    placement, sums = _placement(_annotation(param, mesh, axis_name, where), axis_name, where)
+    sum_over = (mesh.get_group(axis_name),) if sums else ()
     size = mesh.size(names.index(axis_name))
     shape = list(param.shape)
     if isinstance(placement, Shard):
@@ -73,18 +69,22 @@ def _annotation(param: torch.Tensor, mesh, axis_name: str, where: str):
     kind = kinds.get(spmd.MeshAxis.of(mesh.get_group(axis_name)))
     if kind is None:
         raise ValueError(f"{where}: no spmd_types annotation on the storage mesh's axis "
-                         f"'{axis_name}' (annotated: {kinds}); annotate it (S(dim) or I), as "
+                         f"'{axis_name}' (annotated: {kinds}); annotate it (S(dim), R or I), as "
                          "torch's fully_shard requires too")
     return kind
 
 
-def _placement(kind, axis_name: str, where: str):
+def _placement(kind, axis_name: str, where: str) -> tuple[object, bool]:
+    """(the DTensor placement of `kind`, whether its gradient is summed over the axis: R, the
+    same values on every rank there, each holding part of the gradient (its backward type is P),
+    summed before the data-parallel reduction as torch's fully_shard redistributes it, Partial
+    to Replicate)."""
     import spmd_types as spmd
 
     if kind is spmd.I or kind is spmd.R:
-        return Replicate()
+        return Replicate(), kind is spmd.R
     if isinstance(kind, spmd.S):
-        return Shard(kind.dim)
+        return Shard(kind.dim), False
     raise NotImplementedError(
         f"{where}: annotated {getattr(kind, 'name', kind)} on the model-parallel axis "
         f"'{axis_name}'; fsdp_ext takes S(dim) (sharded there), R (replicated, its gradient "
