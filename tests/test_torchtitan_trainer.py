@@ -27,30 +27,45 @@ def _trajectory(records: list[dict]) -> dict[int, tuple[float, ...]]:
     return {r["step"]: tuple(r[k] for k in COMPARED) for r in records}
 
 
+def _both(tmp_path, assets, args: list[str], steps: int, logged: str = "",
+          **launch_kw) -> dict[str, dict]:
+    """Torch's FSDP2, then fsdp_ext, on the same arguments: each run's trajectory (every step
+    1..steps), checked for the swap (and `logged`) in its log and equal between the two."""
+    runs = {}
+    for impl in ("torch", "fsdp_ext"):
+        records, log = launch(impl, str(tmp_path / impl), assets, args, **launch_kw)
+        assert f"FSDP implementation: {impl} (" in log     # the swap took (or was not made)
+        assert logged in log
+        runs[impl] = _trajectory(records)
+        assert sorted(runs[impl]) == list(range(1, steps + 1))
+    assert runs["fsdp_ext"] == runs["torch"]
+    return runs
+
+
+def _resume_across(tmp_path, assets, runs: dict, steps: int, saved_at: int, **launch_kw) -> None:
+    """Each implementation resumes from the other's step-`saved_at` checkpoint (model, optimizer,
+    lr scheduler, dataloader, step; load_only keeps that folder as it was): its later steps equal
+    the uninterrupted run's."""
+    uninterrupted = {s: v for s, v in runs["torch"].items() if s > saved_at}
+    for source, impl in (("torch", "fsdp_ext"), ("fsdp_ext", "torch")):
+        resume = ["--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.load_only",
+                  "--checkpoint.folder", str(tmp_path / source / "checkpoint"),
+                  "--checkpoint.load_step", str(saved_at)]
+        records, _ = launch(impl, str(tmp_path / f"{impl}_from_{source}"), assets, resume,
+                            **launch_kw)
+        assert _trajectory(records) == uninterrupted, f"{impl} from {source}'s step {saved_at}"
+
+
 @pytest.mark.slow
 def test_torchtitan_trainer_fsdp_ext_matches_torch_fsdp2(tmp_path):
     assets = make_assets(str(tmp_path / "assets"))
     save = ["--training.steps", str(STEPS), "--checkpoint.enable",
             "--checkpoint.interval", str(SAVE_AT)]
-    runs = {}
+    runs = _both(tmp_path, assets, save, STEPS)
     for impl in ("torch", "fsdp_ext"):
-        records, log = launch(impl, str(tmp_path / impl), assets, save)
-        assert f"FSDP implementation: {impl} (" in log     # the swap took (or was not made)
-        runs[impl] = _trajectory(records)
-        assert sorted(runs[impl]) == list(range(1, STEPS + 1))
         assert os.path.isdir(tmp_path / impl / "checkpoint" / f"step-{SAVE_AT}")
-    assert runs["fsdp_ext"] == runs["torch"]
     assert runs["torch"][STEPS][0] < runs["torch"][1][0]    # it trains
-
-    uninterrupted = {s: v for s, v in runs["torch"].items() if s > SAVE_AT}
-    for source, impl in (("torch", "fsdp_ext"), ("fsdp_ext", "torch")):
-        # load (model, optimizer, lr scheduler, dataloader, step) from the other's step-3
-        # checkpoint folder; load_only keeps that folder as it was
-        resume = ["--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.load_only",
-                  "--checkpoint.folder", str(tmp_path / source / "checkpoint"),
-                  "--checkpoint.load_step", str(SAVE_AT)]
-        records, _ = launch(impl, str(tmp_path / f"{impl}_from_{source}"), assets, resume)
-        assert _trajectory(records) == uninterrupted, f"{impl} from {source}'s step {SAVE_AT}"
+    _resume_across(tmp_path, assets, runs, STEPS, SAVE_AT)
 
 
 @pytest.mark.slow
@@ -60,13 +75,7 @@ def test_torchtitan_trainer_hsdp_world4_matches_torch_fsdp2(tmp_path):
     assets = make_assets(str(tmp_path / "assets"))
     hsdp = ["--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2",
             "--parallelism.data_parallel_shard_degree", "2"]
-    runs = {}
-    for impl in ("torch", "fsdp_ext"):
-        records, log = launch(impl, str(tmp_path / impl), assets, hsdp, world_size=4)
-        assert f"FSDP implementation: {impl} (" in log
-        runs[impl] = _trajectory(records)
-        assert sorted(runs[impl]) == [1, 2, 3, 4]
-    assert runs["fsdp_ext"] == runs["torch"]
+    _both(tmp_path, assets, hsdp, 4, world_size=4)
 
 
 @pytest.mark.slow
@@ -78,13 +87,7 @@ def test_torchtitan_trainer_tensor_parallel_matches_torch_fsdp2(tmp_path, backen
     assets = make_assets(str(tmp_path / "assets"))
     tp = ["--training.steps", "3", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.spmd_backend", backend]
-    runs = {}
-    for impl in ("torch", "fsdp_ext"):
-        records, log = launch(impl, str(tmp_path / impl), assets, tp, world_size=4)
-        assert f"FSDP implementation: {impl} (" in log
-        runs[impl] = _trajectory(records)
-        assert sorted(runs[impl]) == [1, 2, 3]
-    assert runs["fsdp_ext"] == runs["torch"]
+    _both(tmp_path, assets, tp, 3, world_size=4)
 
 
 @pytest.mark.slow
@@ -99,15 +102,9 @@ def test_torchtitan_trainer_qwen3_moe_matches_torch_fsdp2(tmp_path, world_size, 
     Shard(0), or Shard(1) through a shard_placement_fn where the experts are fewer than the
     ranks: the losses and gradient norms agree bitwise every step, and it trains."""
     assets = make_assets(str(tmp_path / "assets"))
-    runs = {}
-    for impl in ("torch", "fsdp_ext"):
-        records, log = launch(impl, str(tmp_path / impl), assets, ["--training.steps", "4"],
-                              world_size=world_size, base=qwen3_moe(num_experts, top_k))
-        assert f"FSDP implementation: {impl} (" in log
-        assert f"FSDP expert placements: ({placement},)" in log
-        runs[impl] = _trajectory(records)
-        assert sorted(runs[impl]) == [1, 2, 3, 4]
-    assert runs["fsdp_ext"] == runs["torch"]
+    runs = _both(tmp_path, assets, ["--training.steps", "4"], 4,
+                 f"FSDP expert placements: ({placement},)", world_size=world_size,
+                 base=qwen3_moe(num_experts, top_k))
     assert runs["torch"][4][0] < runs["torch"][1][0]        # it trains
 
 
@@ -134,23 +131,8 @@ def test_torchtitan_trainer_qwen3_moe_ep2_matches_torch_fsdp2(tmp_path, backend,
     base = qwen3_moe(num_experts, top_k) + ["--parallelism.expert_parallel_degree", "2",
                                             "--parallelism.spmd_backend", backend]
     save = ["--checkpoint.enable", "--checkpoint.interval", "2"] if resume else []
-    runs = {}
-    for impl in ("torch", "fsdp_ext"):
-        records, log = launch(impl, str(tmp_path / impl), assets, ["--training.steps", "4", *save],
-                              world_size=4, base=base)
-        assert f"FSDP implementation: {impl} (" in log
-        assert f"FSDP expert placements: {placement}" in log
-        runs[impl] = _trajectory(records)
-        assert sorted(runs[impl]) == [1, 2, 3, 4]
-    assert runs["fsdp_ext"] == runs["torch"]
+    runs = _both(tmp_path, assets, ["--training.steps", "4", *save], 4,
+                 f"FSDP expert placements: {placement}", world_size=4, base=base)
     assert runs["torch"][4][0] < runs["torch"][1][0]        # it trains
-    if not resume:
-        return
-    for source, impl in (("torch", "fsdp_ext"), ("fsdp_ext", "torch")):
-        args = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.load_only",
-                "--checkpoint.folder", str(tmp_path / source / "checkpoint"),
-                "--checkpoint.load_step", "2"]
-        records, _ = launch(impl, str(tmp_path / f"{impl}_from_{source}"), assets, args,
-                            world_size=4, base=base)
-        assert _trajectory(records) == {s: v for s, v in runs["torch"].items() if s > 2}, \
-            f"{impl} from {source}'s step 2"
+    if resume:
+        _resume_across(tmp_path, assets, runs, 4, 2, world_size=4, base=base)
