@@ -83,7 +83,8 @@ soak: build ## the soak test at world 4 for SOAK_STEPS steps (default 100)
 stream-check: build ## the GPU (side-stream) path on CPU under the stream-order model, then host syncs per step
 	rm -f out/stream-check/syncs_w*.json
 	$(VPY) -m pytest -q tests/test_stream_check.py \
-		tests/test_reliability.py::test_divergence_raises_on_every_rank_with_device_tags --stream-check
+		tests/test_reliability.py::test_divergence_raises_on_every_rank_with_device_tags \
+		tests/test_reliability.py::test_host_wait_count_fails_on_a_planted_wait --stream-check
 	$(VPY) -m fsdp_ext.diagnostics.host_syncs out/stream-check/syncs_w*.json
 
 # Compile-checks the CUDA sources with nvcc (no GPU needed).

@@ -20,6 +20,7 @@ checked with it on CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -171,53 +172,130 @@ def test_planted_host_sync_is_named():
     run_distributed(planted_sync_worker, 2)
 
 
-def quantized_first_step_worker(rank: int, world_size: int) -> None:
+def _planted_starts_sync(original):
+    def __init__(self, layout, block, device):
+        original(self, layout, block, device)
+        host = self.tensors[0][0].to("cpu")   # planted: a blocking copy of the starts ...
+        self.tensors[0][0].sum().item()       # ... and a host read of them
+        del host
+    return __init__
+
+
+def _planted_clip_syncs(original):
+    def to_device(terms, on_host, device):
+        moved = original(terms, on_host, device)
+        for term in moved:
+            term.sum().item()  # planted: one host read per unit's norm terms, on the device
+        return moved
+    return to_device
+
+
+def _patched(owner, attr, patch):
+    """A context that replaces owner.attr by patch(original) while it is open (None: no patch)."""
+    @contextlib.contextmanager
+    def patched():
+        if patch is None:
+            yield
+            return
+        original = getattr(owner, attr)
+        setattr(owner, attr, patch(original))
+        try:
+            yield
+        finally:
+            setattr(owner, attr, original)
+    return patched()
+
+
+def _expect(planted: bool, check) -> None:
+    """Run `check`; with a planted defect it must fail (what makes its assertion able to fail)."""
+    if not planted:
+        check()
+        return
+    with pytest.raises((AssertionError, StreamOrderError)):
+        check()
+
+
+def quantized_first_step_worker(rank: int, world_size: int, plant: bool) -> None:
     """CommPolicy int8 both ways over the first steps, where each bucket's block starts go to
-    the device: no host sync at all from runtime/quantized_comm.py (one non-blocking copy from
-    pinned memory per bucket; one blocking pageable copy per gather group and rank before)."""
+    the device: no host sync from the runtime beyond host_syncs.ALLOWED in any step, the first
+    ones included (one non-blocking copy from pinned memory per bucket; one blocking pageable
+    copy per gather group and rank before), wherever the runtime would make it. `plant`: a
+    blocking copy and a host read added where the starts go to the device must fail that."""
     from . import test_comm_policy as cp
+    from fsdp_ext.runtime import wire_quantized
     import fsdp_ext
-    with stream_check() as model:
-        cp._train(cp._shard(cp._gpt(), "fully_shard", fsdp_ext.CommPolicy("int8", "int8")),
-                  rank, world_size, steps=2)
-    mine = [r for r in model.syncs.records if "runtime/quantized_comm.py" in r.site]
-    assert not mine, mine
+    with _patched(wire_quantized._Starts, "__init__", _planted_starts_sync if plant else None):
+        with stream_check() as model:
+            cp._train(cp._shard(cp._gpt(), "fully_shard", fsdp_ext.CommPolicy("int8", "int8")),
+                      rank, world_size, steps=2)
+
+    def check():
+        mine = host_syncs.unallowed(model.syncs.records)
+        assert not mine, mine
+    _expect(plant, check)
     dist.barrier()
 
 
 @pytest.mark.stream_check
-def test_quantized_first_step_makes_no_host_sync():
-    run_distributed(quantized_first_step_worker, 2)
+@pytest.mark.parametrize("plant", [False, True], ids=["as_is", "planted_sync"])
+def test_quantized_first_step_makes_no_host_sync(plant):
+    run_distributed(quantized_first_step_worker, 2, plant)
 
 
-def offload_clip_worker(rank: int, world_size: int) -> None:
-    """CPU offload with clip_grad_norm_ every step (four units): the clip's own host syncs are
-    one per step, the coefficient the host needs to scale the host gradients (the norms of
-    every unit go to the device in one copy from pinned memory; one blocking copy per unit
-    before); and the runtime's, one per optimizer step in all."""
+# name: (what to patch, its attribute, the patch)
+CLIP_PLANTS = {"clip_sync_per_unit": ("api.clip", "_to_device", _planted_clip_syncs),
+               "runtime_sync_per_unshard": ("runtime.unit", "Unit.wait_unshard", _planted_sync)}
+
+
+def _clip_plant(plant):
+    if plant is None:
+        return _patched(None, None, None)
+    import importlib
+    module, attr, patch = CLIP_PLANTS[plant]
+    owner = importlib.import_module(f"fsdp_ext.{module}")
+    *path, attr = attr.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    return _patched(owner, attr, patch)
+
+
+def offload_clip_worker(rank: int, world_size: int, plant: str | None) -> None:
+    """CPU offload with clip_grad_norm_ every step (four units): the host syncs of fsdp_ext's API
+    (the clip) are one per step, the coefficient the host needs to scale the host gradients (the
+    norms of every unit go to the device in one copy from pinned memory; one blocking copy per
+    unit before); and the runtime's, one per optimizer step in all. `plant`: a host read per unit
+    in the clip, or one in every all-gather's wait, must fail these."""
     import fsdp_ext
 
-    def clip(model, _):
-        if isinstance(model, fsdp_ext.FSDPModule):
-            model.clip_grad_norm_(1e9)
-    with stream_check() as model:
+    in_clip = []  # the host syncs each clip_grad_norm_ call made, wherever in fsdp_ext
+
+    def clip(sharded, _):
+        if isinstance(sharded, fsdp_ext.FSDPModule):
+            first = len(model.syncs.records)
+            sharded.clip_grad_norm_(1e9)
+            in_clip.extend(model.syncs.records[first:])
+    with _clip_plant(plant), stream_check() as model:
         with model.syncs.label("offload_clip"):
             test_runtime._compare_training(
                 rank, world_size, stream_scenarios._gpt,
                 stream_scenarios._shard_blocks(offload_policy=fsdp_ext.CPUOffloadPolicy()),
                 stream_scenarios._tokens, stream_scenarios._gpt_loss, steps=4,
                 after_backward=clip)
-    steps = model.syncs.steps_of("offload_clip")
-    clip_syncs = [r for r in model.syncs.steady() if "api/clip.py" in r.site]
-    assert steps >= 2 and len(clip_syncs) <= steps, (steps, clip_syncs)
-    bad = host_syncs.over_allowance(model.syncs.per_step())
-    assert not bad, bad
+
+    def check():
+        steps = model.syncs.steps_of("offload_clip")
+        steady = [r for r in in_clip if r.step >= host_syncs.STEADY_FROM and r.origin != "user"]
+        assert steps >= 2 and len(steady) <= steps, (steps, steady)
+        bad = host_syncs.over_allowance(model.syncs.per_step())
+        assert not bad, bad
+    _expect(plant is not None, check)
     dist.barrier()
 
 
 @pytest.mark.stream_check
-def test_offload_clip_syncs_once_per_step():
-    run_distributed(offload_clip_worker, 2)
+@pytest.mark.parametrize("plant", [None, *CLIP_PLANTS])
+def test_offload_clip_syncs_once_per_step(plant):
+    run_distributed(offload_clip_worker, 2, plant)
 
 
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
@@ -317,24 +395,52 @@ def test_planted_runtime_defect_is_reported(plant):
 SYNC_TABLE_DIR = os.environ.get("FSDP_EXT_SYNC_TABLE_DIR", os.path.join(ROOT, "out", "stream-check"))
 
 
-def scenario_worker(rank: int, world_size: int) -> None:
-    with stream_check() as model:
-        stream_scenarios.run_all(rank, world_size, model.syncs.label)
-    rows = model.syncs.per_step()
-    if rank == 0:  # make stream-check prints it (python -m fsdp_ext.diagnostics.host_syncs)
-        os.makedirs(SYNC_TABLE_DIR, exist_ok=True)
-        steps = {name: model.syncs.steps_of(name)
-                 for name, _ in stream_scenarios.scenarios(world_size)}
-        with open(os.path.join(SYNC_TABLE_DIR, f"syncs_w{world_size}.json"), "w") as f:
-            json.dump({"world_size": world_size, "steps": steps,
-                       "rows": [[*key, rate] for key, rate in sorted(rows.items())]}, f, indent=1)
-    bad = host_syncs.over_allowance(rows)
-    assert not bad, (f"rank {rank}: host syncs in the runtime's steady-state step beyond "
-                     "host_syncs.ALLOWED:\n" + "\n".join(bad))
+def scenario_worker(rank: int, world_size: int, plant: str | None = None) -> None:
+    """Every scenario under the model: no stream-order problem, and no host sync of the runtime's
+    steady-state step beyond host_syncs.ALLOWED (the table goes to SYNC_TABLE_DIR). `plant`: one
+    scenario with a runtime defect of SCENARIO_PLANTS, which must fail those checks."""
+    chosen = stream_scenarios.scenarios(world_size)
+    patch = None
+    if plant is not None:
+        chosen = [(name, fn) for name, fn in chosen if name == SCENARIO_PLANTED_IN]
+        patch = SCENARIO_PLANTS[plant]
+
+    def check():
+        with stream_check() as model:
+            for name, fn in chosen:
+                with model.syncs.label(name):
+                    fn(rank, world_size)
+        rows = model.syncs.per_step()
+        if rank == 0 and plant is None:  # make stream-check prints it (host_syncs' __main__)
+            os.makedirs(SYNC_TABLE_DIR, exist_ok=True)
+            steps = {name: model.syncs.steps_of(name) for name, _ in chosen}
+            with open(os.path.join(SYNC_TABLE_DIR, f"syncs_w{world_size}.json"), "w") as f:
+                json.dump({"world_size": world_size, "steps": steps,
+                           "rows": [[*key, rate] for key, rate in sorted(rows.items())]}, f,
+                          indent=1)
+        bad = host_syncs.over_allowance(rows)
+        assert not bad, (f"rank {rank}: host syncs in the runtime's steady-state step beyond "
+                         "host_syncs.ALLOWED:\n" + "\n".join(bad))
+    with _patched(*patch) if patch else contextlib.nullcontext():
+        _expect(plant is not None, check)
     dist.barrier()
+
+
+# The scenario suite's two verdicts, each made to fail by a defect planted in the runtime: an
+# access not ordered after the collective (a stream-order report), a host read in every unit's
+# all-gather wait (over the allowance).
+SCENARIO_PLANTED_IN = "gradient_accumulation"
+SCENARIO_PLANTS = {"missing_wait": (comm.Pending, "wait", _skip_event_wait),
+                   "host_sync_per_unshard": (unit_module.Unit, "wait_unshard", _planted_sync)}
 
 
 @pytest.mark.stream_check
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_scenarios_have_no_stream_order_problem(world_size):
     run_distributed(scenario_worker, world_size, timeout_s=900)
+
+
+@pytest.mark.stream_check
+@pytest.mark.parametrize("plant", sorted(SCENARIO_PLANTS))
+def test_scenario_verdicts_fail_on_a_planted_defect(plant):
+    run_distributed(scenario_worker, 2, plant)

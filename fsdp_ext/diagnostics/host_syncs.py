@@ -333,6 +333,13 @@ def _key(site: str) -> tuple[str, str]:
     return path, rest.partition("(")[2].rstrip(")")
 
 
+def unallowed(records) -> list[HostSync]:
+    """The runtime's host syncs, in any step (the first ones and set-up between steps included),
+    at a site ALLOWED does not list: whatever the file, so a sync added anywhere in the runtime
+    is found, not only one in a file a check names."""
+    return [r for r in records if r.origin == "runtime" and _key(r.site) not in ALLOWED]
+
+
 def over_allowance(rows: dict) -> list[str]:
     """The runtime's steady-state syncs beyond the allowance (rows: HostSyncCounter.per_step()):
     a site not in ALLOWED, or more than ALLOWED_PER_STEP per optimizer step in a scenario."""
