@@ -3,6 +3,7 @@
 // Kernels register against these schemas in csrc/cpu/flat_param.cpp (CPU) and
 // csrc/cuda/flat_param.cu (CUDA); the semantics are fsdp_ext/ops/reference.py, and the fake
 // (meta) implementations used by torch.compile live in fsdp_ext/ops/fake.py.
+#include "cpu_vector.h"
 #include "cuda_bodies_on_host.h"
 #include "issue_thread.h"
 #include "storage_cache.h"
@@ -38,10 +39,12 @@ TORCH_LIBRARY(fsdp_ext, m) {
 
 // Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself
 // exposes the host storage cache (fsdp_ext/runtime/storage_cache.py), the CPU issue thread
-// (fsdp_ext/runtime/comm.py) and, for the tests, the CUDA kernels' bodies run on the host.
+// (fsdp_ext/runtime/comm.py) and, for the tests, the CUDA kernels' bodies run on the host and the
+// CPU kernels' vector switch (cpu_vector.h).
 PYBIND11_MODULE(_C, module) {
   module.doc() = "fsdp_ext compiled ops; use torch.ops.fsdp_ext.* (see fsdp_ext.ops)";
   fsdp_ext::register_storage_cache(module);
   fsdp_ext::register_issue_thread(module);
   fsdp_ext::register_cuda_bodies_on_host(module);
+  fsdp_ext::register_cpu_vector(module);
 }

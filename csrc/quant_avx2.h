@@ -7,6 +7,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FSDP_EXT_QUANTIZE_AVX2 1
 #include "avx2_casts.h"
+#include "cpu_vector.h"
 #include "quant_bodies.h"
 
 #include <immintrin.h>
@@ -18,10 +19,8 @@
 
 namespace fsdp_ext {
 
-inline bool have_avx2_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes;
-}
+// The switch of cpu_vector.h: the CPU has AVX2 and F16C and FSDP_EXT_CPU_VECTOR allows them.
+inline bool have_avx2_f16c() { return use_avx2(/*needs_f16c=*/true); }
 
 // Eight values of Src at p as fp32: exact for fp32 and bf16 (bits << 16) and fp16 (F16C; it
 // quiets a signalling NaN, which only ever makes a block non-finite, as any NaN does).

@@ -387,3 +387,57 @@ def opcheck_samples(device="cpu"):
 def test_opcheck(index):
     op, args = opcheck_samples()[index]
     torch.library.opcheck(op, args)
+
+
+# ---- the vector switch (csrc/cpu_vector.h): both paths tested on one machine ----------------------
+def _paths() -> dict:
+    import fsdp_ext._C as C
+    return C.cpu_vector_paths()
+
+
+def test_vector_switch_says_which_path_ran():
+    """FSDP_EXT_CPU_VECTOR (read once per process): unset or auto, the AVX2 paths run where the
+    CPU has AVX2; 0, the scalar paths alone. The dispatch counters show which ran for a cast
+    (fp32 -> bf16 and -> fp16), a same-dtype copy and an epilogue; the suite's own run and the
+    scalar rerun (test_kernel_suites_pass_on_the_scalar_paths) each assert their own."""
+    import os
+    mode = os.environ.get("FSDP_EXT_CPU_VECTOR", "") or "auto"
+    before = _paths()
+    src = torch.randn(4096)
+    for dst_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out = torch.empty(4096 + 64, dtype=dst_dtype)
+        ops.pack([src, src[:64]], [0, 4096], out, 0, 0.37)
+        ops.pack([src], [0], out, 0, 1.0)
+    ops.grad_epilogue(torch.randn(4096, dtype=torch.bfloat16), torch.zeros(4096), 3.0, True)
+    after = _paths()
+    assert after["mode"] == mode, after
+    vector, scalar = (after[k] - before[k] for k in ("vector_calls", "scalar_calls"))
+    if after["avx2"]:
+        assert mode != "0" and after["cpu_avx2"], after
+        assert vector >= 4 and scalar == 0, (vector, scalar, after)
+    else:
+        assert mode == "0" or not after["cpu_avx2"], after
+        assert vector == 0 and scalar >= 4, (vector, scalar, after)
+
+
+KERNEL_SUITES = ["tests/test_ops_cpp.py", "tests/test_ops_quantized.py"]
+_VECTOR_RUN = ops.HAVE_EXTENSION and _paths()["avx2"]
+
+
+@pytest.mark.skipif(not _VECTOR_RUN, reason="this run is already on the scalar paths (no AVX2, "
+                    "or FSDP_EXT_CPU_VECTOR=0)")
+def test_kernel_suites_pass_on_the_scalar_paths():
+    """The CPU kernels' suites again with FSDP_EXT_CPU_VECTOR=0: on an AVX2 machine the auto
+    run tests the vector paths only, so this is where the scalar ones (what a CPU without AVX2
+    runs) meet the reference, bit for bit."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--heartbeat-s", "0",
+         *KERNEL_SUITES], cwd=root, env={**os.environ, "FSDP_EXT_CPU_VECTOR": "0"},
+        capture_output=True, text=True, timeout=600)
+    tail = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    assert " passed" in tail and "failed" not in tail.splitlines()[-1], tail

@@ -16,6 +16,7 @@
 #include "../flat_layout.h"
 #include "../flat_plan.h"
 #include "../avx2_casts.h"
+#include "../cpu_vector.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -150,15 +151,6 @@ __attribute__((target("avx2,f16c"))) void float_to_fp16_f16c(const float* in, ui
   for (; i < n; ++i) out[i] = float_to_fp16_bits(scaled ? mul_rn(in[i], scale) : in[i]);
 }
 
-bool have_f16c() {
-  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return f16c;
-}
-
-bool have_avx2() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-}
 #endif
 
 // A same-dtype copy of `bytes` bytes; source and destination are equal or do not overlap.
@@ -166,7 +158,7 @@ bool have_avx2() {
 void copy_bytes(const void* src, void* dst, int64_t bytes, bool stream) {
   if (src == dst || bytes <= 0) return;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (bytes >= 32 && have_avx2()) {
+  if (bytes >= 32 && use_avx2()) {
     if (stream) {
       stream_bytes_avx2(static_cast<const char*>(src), static_cast<char*>(dst), bytes);
       return;
@@ -181,26 +173,69 @@ void copy_bytes(const void* src, void* dst, int64_t bytes, bool stream) {
 }
 
 // The fp32->fp16 rounding shifts each lane by its own amount, which x86 vectorizes only from AVX2
-// on: build the element loops for AVX2 and for the baseline, chosen once at load time (ifunc).
+// on: each element loop is built twice, for AVX2 and for the baseline, and the switch of
+// cpu_vector.h picks one per call (a target_clones ifunc would pick by the CPU alone, and the
+// baseline loops would go untested on an AVX2 machine).
 #if defined(__x86_64__) && defined(__linux__)
-#define FSDP_EXT_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define FSDP_EXT_HAS_AVX2_LOOPS 1
+#define FSDP_EXT_INLINE_BODY inline __attribute__((always_inline))
 #else
-#define FSDP_EXT_VECTOR_CLONES
+#define FSDP_EXT_INLINE_BODY inline
 #endif
 
 // The element loops: one instantiation per (dtypes, flags), so each body is branch-free.
 template <class Src, class Dst, bool kScaled>
-FSDP_EXT_VECTOR_CLONES void convert_loop(const typename Src::storage* in,
-                                         typename Dst::storage* out, int64_t n, float scale) {
+FSDP_EXT_INLINE_BODY void convert_body(const typename Src::storage* in,
+                                       typename Dst::storage* out, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) out[i] = convert_element<Src, Dst>(in[i], scale, kScaled);
 }
 
 template <class Src, class Dst, int kMode, bool kAccumulate>
-FSDP_EXT_VECTOR_CLONES void epilogue_loop(const typename Src::storage* in,
-                                          typename Dst::storage* acc, int64_t n, float factor) {
+FSDP_EXT_INLINE_BODY void epilogue_body(const typename Src::storage* in,
+                                        typename Dst::storage* acc, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) {
     acc[i] = epilogue_element<Src, Dst>(in[i], acc[i], factor, kMode, kAccumulate);
   }
+}
+
+#if defined(FSDP_EXT_HAS_AVX2_LOOPS)
+template <class Src, class Dst, bool kScaled>
+__attribute__((target("avx2"))) void convert_body_avx2(const typename Src::storage* in,
+                                                        typename Dst::storage* out, int64_t n,
+                                                        float scale) {
+  convert_body<Src, Dst, kScaled>(in, out, n, scale);
+}
+
+template <class Src, class Dst, int kMode, bool kAccumulate>
+__attribute__((target("avx2"))) void epilogue_body_avx2(const typename Src::storage* in,
+                                                         typename Dst::storage* acc, int64_t n,
+                                                         float factor) {
+  epilogue_body<Src, Dst, kMode, kAccumulate>(in, acc, n, factor);
+}
+#endif
+
+template <class Src, class Dst, bool kScaled>
+void convert_loop(const typename Src::storage* in, typename Dst::storage* out, int64_t n,
+                  float scale) {
+#if defined(FSDP_EXT_HAS_AVX2_LOOPS)
+  if (use_avx2()) {
+    convert_body_avx2<Src, Dst, kScaled>(in, out, n, scale);
+    return;
+  }
+#endif
+  convert_body<Src, Dst, kScaled>(in, out, n, scale);
+}
+
+template <class Src, class Dst, int kMode, bool kAccumulate>
+void epilogue_loop(const typename Src::storage* in, typename Dst::storage* acc, int64_t n,
+                   float factor) {
+#if defined(FSDP_EXT_HAS_AVX2_LOOPS)
+  if (use_avx2()) {
+    epilogue_body_avx2<Src, Dst, kMode, kAccumulate>(in, acc, n, factor);
+    return;
+  }
+#endif
+  epilogue_body<Src, Dst, kMode, kAccumulate>(in, acc, n, factor);
 }
 
 template <class Src, class Dst>
@@ -215,13 +250,13 @@ void convert_span(const void* src, void* dst, int64_t n, float scale, bool scale
   }
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (std::is_same_v<Src, Float32> && std::is_same_v<Dst, BFloat16>) {
-    if (have_avx2()) {
+    if (use_avx2()) {
       float_to_bf16_avx2(in, out, n, scale, scaled);
       return;
     }
   }
   if constexpr (std::is_same_v<Src, Float32> && std::is_same_v<Dst, Float16>) {
-    if (have_f16c()) {
+    if (use_avx2(/*needs_f16c=*/true)) {
       float_to_fp16_f16c(in, out, n, scale, scaled);
       return;
     }
