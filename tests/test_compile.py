@@ -86,6 +86,62 @@ def test_compiled_whole_model_trains():
     run_distributed(whole_model_worker, 2, timeout_s=300.0)
 
 
+def _per_block_compiled(fully_shard, backend: str):
+    """torchtitan's per-block compile: each block sharded, then `block.compile(fullgraph=True)`;
+    three SGD steps: losses and the last gradients (full)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=41, block_size=8, n_layer=2, n_head=2, d_model=16))
+    for block in model.blocks:
+        fully_shard(block)
+        block.compile(backend=backend, fullgraph=True)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(3):
+        idx = torch.randint(0, 41, (2 * world, 8), generator=torch.Generator().manual_seed(step))
+        mine = local_slice(idx, rank, world)
+        loss = model(mine, mine)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, grads
+
+
+def per_block_fullgraph_worker(rank: int, world_size: int, backend: str) -> None:
+    """Blocks compiled with fullgraph=True (torchtitan's --compile.components model): no graph
+    break from fsdp_ext's hooks inside a block, and the losses and gradients of torch's FSDP2
+    on the same script, bit for bit; in eager, a block's submodule called while sharded still
+    raises naming itself (the check a trace skips)."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    torch._dynamo.reset()
+    counters.clear()
+    ours = _per_block_compiled(fsdp_ext.fully_shard, backend)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    theirs = _per_block_compiled(torch_fully_shard, backend)
+    for step, (a, b) in enumerate(zip(*(losses for losses, _ in (ours, theirs)))):
+        assert torch.equal(a, b), (step, a, b)
+    for name, grad in theirs[1].items():
+        assert torch.equal(ours[1][name], grad), name
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig(vocab_size=41, block_size=8, n_layer=2, n_head=2, d_model=16))
+    for block in eager.blocks:
+        fsdp_ext.fully_shard(block)
+    fsdp_ext.fully_shard(eager)
+    with pytest.raises(RuntimeError, match=r"was called while its parameters are sharded"):
+        eager.blocks[0].attn(torch.randn(1, 8, 16))
+    dist.barrier()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_per_block_fullgraph_compile_matches_torch_fsdp2(backend):
+    run_distributed(per_block_fullgraph_worker, 2, backend, timeout_s=300.0)
+
+
 @pytest.mark.skipif(not fsdp_ext.ops.HAVE_EXTENSION, reason="needs the compiled extension")
 def test_custom_ops_in_a_full_graph():
     @torch.compile(backend="aot_eager", fullgraph=True)

@@ -13,6 +13,12 @@ changed later takes effect for units built later, never halfway through a model.
                                      cache (process-wide: storage_cache.py)
     FSDP_EXT_SIDE_STREAM_DELAY_CYCLES  a test knob: cycles a side stream spins before each
                                      collective (CUDA; process-wide: streams.py)
+
+Read elsewhere, process-wide, not through this record:
+
+    FSDP_EXT_CPU_VECTOR              the CPU kernels' AVX2 paths: "auto" (default), "0" (scalar
+                                     paths only), "1" (AVX2 and F16C required); read once by
+                                     the extension (csrc/cpu_vector.h)
 """
 from __future__ import annotations
 

@@ -73,9 +73,17 @@ class Unit(UnitLifecycle, UnitSettings):
             member.register_forward_hook(torch.compiler.disable(post), with_kwargs=True))]
         # Submodules holding this unit's parameters say so when called while they are sharded
         # (outside the unit's forward), instead of failing with a shape error deep in torch.
+        # These hooks sit inside the unit's module, so a compiled block traces them: there the
+        # check is skipped (is_compiling() is constant in a trace), not a graph break, which
+        # compile(fullgraph=True) refuses; the eager run keeps it.
         holders = {id(m): m for b in self.buckets for s in b.slots for m, _ in s.locations}
         check = torch.compiler.disable(self._check_params_gathered)
-        self._handles += [m.register_forward_pre_hook(check) for m in holders.values()
+
+        def check_unless_traced(module, args):
+            if not torch.compiler.is_compiling():
+                check(module, args)
+        self._handles += [m.register_forward_pre_hook(check_unless_traced)
+                          for m in holders.values()
                           if not any(m is member for member in self.members)]
 
     def _forward_hooks(self):
