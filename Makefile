@@ -59,8 +59,9 @@ PYTEST_REPORT = -o console_output_style=count --durations=15 --durations-min=2
 test: build ## the default test suite (CPU; GPU-only, slow and stream-order cases skip, counted by reason)
 	$(VPY) -m pytest -x $(PYTEST_REPORT) tests
 
-# The cases marked slow (the soak has its own target). SLOW_BUDGET_S=N skips, saying so, every test
-# that would start after N seconds: how CI runs them within its time.
+# The cases marked slow (the soak has its own target). SLOW_BUDGET_S=N runs the cases marked
+# essential first (a client or a fault path) and skips, saying so, every other test that would
+# start after N seconds; an essential one past N fails the run: how CI runs them within its time.
 SLOW_BUDGET_S ?=
 test-slow: build ## the cases marked slow (SLOW_BUDGET_S=N skips those that would start after N s)
 	$(VPY) -m pytest $(PYTEST_REPORT) -m slow --runslow --ignore=tests/test_soak.py tests \

@@ -1,7 +1,10 @@
 """Shared pytest options: tests marked `slow` run only with --runslow, those marked `stream_check`
 (the scenario suite under the stream-order model) with --stream-check or --runslow. `--budget-s N`
 skips, with that reason, every test that would start more than N seconds after the session began
-(CI runs the slow cases so, to stay within its time). The example models (examples/models.py) are
+(CI runs the slow cases so, to stay within its time); under a budget the cases marked `essential`
+(a real client's run or a fault path: torchtitan's trainer, the restarts, the reliability
+scenarios) run first, and one that the budget would still cut fails instead of being skipped, so
+CI cannot pass without them. The example models (examples/models.py) are
 importable as `models`, as in the examples and benchmarks.
 
 Two things for whoever reads the output, often a piped log: a test still running after
@@ -41,12 +44,16 @@ def pytest_configure(config):
                             "unless --exhaustive is given, also under --runslow")
     config.addinivalue_line("markers", "stream_check: the scenarios under the stream-order "
                             "model; skipped unless --stream-check or --runslow is given")
+    config.addinivalue_line("markers", "essential: a slow case CI must run (a client or a fault "
+                            "path): first under --budget-s, and a failure, not a skip, past it")
     interval = config.getoption("--heartbeat-s")
     if interval and interval > 0:
         config.pluginmanager.register(Heartbeat(config, interval), "fsdp_ext_heartbeat")
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--budget-s") is not None:  # the essential cases first, each file's order kept
+        items.sort(key=lambda item: "essential" not in item.keywords)
     if not config.getoption("--exhaustive"):  # (kept out of CI's time-boxed slow tier too)
         skip_sweep = pytest.mark.skip(reason="exhaustive: pass --exhaustive to run")
         for item in items:
@@ -66,8 +73,16 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_setup(item):
     budget = item.config.getoption("--budget-s")
-    if budget is not None and time.monotonic() - item.config._session_start > budget:
-        pytest.skip(f"over the time budget of {budget:.0f} s (--budget-s)")
+    if budget is None:
+        return
+    elapsed = time.monotonic() - item.config._session_start
+    if elapsed <= budget:
+        return
+    if "essential" in item.keywords:
+        pytest.fail(f"essential case not run: {elapsed:.0f} s into the session, over the time "
+                    f"budget of {budget:.0f} s (--budget-s); raise the budget or make the essential "
+                    "cases cheaper", pytrace=False)
+    pytest.skip(f"over the time budget of {budget:.0f} s (--budget-s)")
 
 
 class Heartbeat:

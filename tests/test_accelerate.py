@@ -182,6 +182,7 @@ def test_accelerate_loop_matches_torch_fsdp2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 def test_accelerate_hsdp_matches_torch_fsdp2(tmp_path):
     """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): a 2-D mesh, HSDP, at world 4."""
     run_distributed(hsdp_worker, 4, str(tmp_path), timeout_s=300)

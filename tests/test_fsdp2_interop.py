@@ -421,6 +421,7 @@ def hf_llama_loop(rank: int, world_size: int, directory: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 def test_hugging_face_llama_loop(tmp_path):
     pytest.importorskip("transformers")
     run_distributed(hf_llama_loop, 2, str(tmp_path))

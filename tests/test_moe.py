@@ -62,6 +62,7 @@ def test_torch_fsdp2_through_torchtitan_matches_unwrapped_world2():
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 def test_torch_fsdp2_through_torchtitan_matches_unwrapped_world4():
     _check_against_reference("torch", 4, {"1": "Shard(0)", "2": "Shard(1)"})
 
@@ -71,6 +72,7 @@ def test_fsdp_ext_through_torchtitan_matches_unwrapped_world2():
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 def test_fsdp_ext_through_torchtitan_matches_unwrapped_and_torch_world4():
     ours = _check_against_reference("fsdp_ext", 4, {"1": "Shard(0)", "2": "Shard(1)"})
     theirs = moe_scripts.train_sharded("torch", 4)
@@ -94,6 +96,7 @@ def _check_expert_parallel_run(result: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 def test_fsdp_ext_expert_parallel_matches_unwrapped_world4():
     ours = moe_scripts.train_sharded("fsdp_ext", 4, moe_scripts.CFG_EP, ep=2,
                                      optimizer_kind="sgd")
@@ -103,6 +106,7 @@ def test_fsdp_ext_expert_parallel_matches_unwrapped_world4():
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 def test_fsdp_ext_expert_parallel_matches_torch_world4():
     ours = moe_scripts.train_sharded("fsdp_ext", 4, moe_scripts.CFG_EP, ep=2)
     theirs = moe_scripts.train_sharded("torch", 4, moe_scripts.CFG_EP, ep=2)

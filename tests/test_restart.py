@@ -131,6 +131,7 @@ def _ready_to_kill(directory: str, when: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.essential
 @pytest.mark.parametrize("when", ["mid-step", "mid-save"])
 def test_killed_rank_restarts_and_finishes_as_if_uninterrupted(when, tmp_path):
     reference = str(tmp_path / "uninterrupted")

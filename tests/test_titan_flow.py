@@ -15,6 +15,9 @@ from titan_flow import train
 
 from .dist_utils import run_distributed
 
+# torchtitan's flow (a client) at another size: slow, and a case CI must run (conftest.py).
+SLOW_ESSENTIAL = (pytest.mark.slow, pytest.mark.essential)
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -38,6 +41,6 @@ def worker(rank: int, world: int, directory: str) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=SLOW_ESSENTIAL)])
 def test_titan_flow_matches_torch_fsdp2(world_size, tmp_path):
     run_distributed(worker, world_size, str(tmp_path), timeout_s=240)
