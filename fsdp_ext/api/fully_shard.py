@@ -13,6 +13,7 @@ from ..diagnostics.optim_check import install_step_check
 from ..runtime import comm, env, process_groups, storage_cache, streams
 from ..runtime.comm_policy import check_policy
 from ..runtime.registry import UNIT_ATTR, unit_of
+from . import pipelining
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.list_unit import ListUnit
 from ..runtime.unit import Unit
@@ -221,6 +222,7 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
     for member in members:
         member.__dict__[UNIT_ATTR] = unit
         install_state_dict_hooks(member)
+        pipelining.register(member)  # what torch's pipelining stages ask of an FSDP module
         cls = member.__class__
         if not isinstance(member, FSDPModule):
             if cls not in _FSDP_CLASSES:

@@ -122,6 +122,19 @@ def reduce_bucket(unit, bucket: Bucket, grads) -> None:
     unit.schedule.add_pending_reduce_scatter(record)
 
 
+def reduce_accumulated(unit) -> bool:
+    """Reduce what no_sync backwards left in `unit`'s unsharded accumulators, with no backward
+    of its own (torch's pipelining asks for it once every micro-batch ran backward: its
+    post_backward()). No-op for buckets without an accumulator; True if anything was issued."""
+    issued = False
+    for index in unit.params.grad_indices:
+        bucket = unit.buckets[index]
+        if bucket.grads.unsharded_accumulator is not None:
+            reduce_bucket(unit, bucket, [None] * len(bucket.slots))
+            issued = True
+    return issued
+
+
 @dataclass(eq=False)
 class PendingReduce:
     """One bucket's gradient reduction in flight, from its launch to `finish()` (its results

@@ -242,6 +242,17 @@ class Schedule:
         else:
             self.checker.defer_flags()
 
+    def finish_reductions(self) -> None:
+        """After gradients were reduced outside a backward (grads.reduce_accumulated, for torch's
+        pipelining): wait for every reduction, reshard the units that reshard after backward and
+        make the step's one host sync, as the end of a reducing backward does."""
+        self.drain_reduce_scatters()
+        for unit in self.units:
+            if unit.reshard_after_backward:
+                unit.reshard()
+                unit.params.install_sharded()
+        self._end_of_step_sync()
+
     def _end_of_step_sync(self) -> None:
         """The one host sync of a step: the compute stream is ordered after the offloaded shards'
         reads first, so that the collective tags' flag wait also covers them; the host
