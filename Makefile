@@ -64,7 +64,7 @@ test: build ## the default test suite (CPU; GPU-only, slow and stream-order case
 # start after N seconds; an essential one past N fails the run: how CI runs them within its time.
 SLOW_BUDGET_S ?=
 test-slow: build ## the cases marked slow (SLOW_BUDGET_S=N skips those that would start after N s)
-	$(VPY) -m pytest $(PYTEST_REPORT) -m slow --runslow --ignore=tests/test_soak.py tests \
+	$(VPY) -m pytest $(PYTEST_REPORT) --durations=0 -m slow --runslow --ignore=tests/test_soak.py tests \
 		$(if $(SLOW_BUDGET_S),--budget-s $(SLOW_BUDGET_S))
 
 # Everything: the default suite, the slow cases, the stream-order scenarios, the soak at 300 steps,
