@@ -5,8 +5,9 @@ Owns: `fully_shard` (fully_shard.py) and `FSDPModule` with torch's methods,
 (FSDP1 style, fsdp1.py) with its state-dict settings and optimizer state-dict functions
 (fsdp1_state.py); the readers of torch's own option objects (options.py); auto-wrap (wrap.py);
 `clip_grad_norm_` over sharded gradients (clip.py); what happens with no process group
-(default_group.py); the table of torch's FSDP names and what
-fsdp_ext does with each (compat.py, docs/compat.md).
+(default_group.py); `dp_mesh_dims`, the data-parallel axes of an SPMD mesh (dp_mesh_dims.py);
+what torch's pipelining asks of an FSDP stage module (pipelining.py). The table of torch's FSDP
+names and what fsdp_ext does with each is tools/compat.py's (docs/compat.md).
 
 May import: state, planner, diagnostics, runtime, ops. Nothing imports it but `fsdp_ext/__init__.py`.
 

@@ -5,9 +5,20 @@
                                                             \\--reshard in forward, k > 1-->
         SHARDED_POST_FORWARD (a 1/k chunk kept for a cheaper regather) --unshard--> UNSHARDING,
                                                             or --drop the chunks--> SHARDED
-    TrainingState  which hook of the step the unit is in (unit.py)
+    TrainingState  which hook of the step the unit is in (unit.py), every move the code allows:
         IDLE --pre-forward--> FORWARD --post-forward--> IDLE --pre-backward--> PRE_BACKWARD
-        --post-backward--> POST_BACKWARD --end of backward--> IDLE;  IDLE <--> SUMMONED
+        --post-backward--> POST_BACKWARD --end of backward--> IDLE, the usual step; besides:
+        pre-forward        FORWARD -> FORWARD inside a registered method (generate() calling
+                           forward); IDLE -> FORWARD otherwise
+        post-forward       FORWARD -> IDLE (a list unit: at the root's post-forward too, for
+                           members that did not run)
+        pre-/post-backward from IDLE (an output that needed no gradient, used by a later
+                           unit's backward), PRE_BACKWARD, POST_BACKWARD (a unit used twice
+                           runs backward twice) and, in a list unit's open pass, FORWARD (a
+                           member run outside the root's forward, backward before the pass ends)
+        a failure          FORWARD -> IDLE (a registered method raised); any but SUMMONED ->
+                           IDLE (the end of backward, a reset after a failure)
+        summon             IDLE -> SUMMONED -> IDLE (summon_full_params)
     Installed      what the modules' parameter attributes hold (unit_params.py writes them)
         SHARDED: the sharded parameters; UNSHARDED: views of the gathered buffers;
         FULL: summon_full_params' full copies
