@@ -246,6 +246,13 @@ def check_own_mesh_reshard_after_forward_k(rank, world):
                              if p.dim() == 3 else None)
         _same(f"reordered mesh, Shard({dim}), reshard_after_forward=2 vs unwrapped",
               ours["params"], unwrapped, atol=1e-5, rtol=1e-4)
+    # k equal to the unit's shard size (4) is the same as True for the unit, and must still
+    # divide the experts' own 2-rank mesh: refused, as torch refuses it
+    with pytest.raises(ValueError, match=r"'experts.w1' is sharded over a mesh of its own with 2 "
+                                         r"shard ranks, which reshard_after_forward=4 does not"):
+        fsdp_ext.fully_shard(scripts.build().blocks[0], mesh=mesh, reshard_after_forward=4,
+                             shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), efsdp)
+                             if p.dim() == 3 else None)
     from torch.distributed.device_mesh import init_device_mesh
     alone = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "efsdp"))["efsdp"]
     block = scripts.build().blocks[0]

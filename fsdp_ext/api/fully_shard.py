@@ -58,15 +58,17 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
     elif dist.is_available() and dist.is_initialized():
         shard = dist.group.WORLD
     single_process = not (dist.is_available() and dist.is_initialized())  # (a mesh needs one)
-    post_forward, k = None, 1
+    post_forward, k, requested = None, 1, 1
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         if reshard_after_forward < 1:
             raise ValueError(f"reshard_after_forward={reshard_after_forward} must be >= 1")
+        requested = reshard_after_forward
         if 1 < reshard_after_forward < (dist.get_world_size(shard) if shard is not None else 1):
             k = reshard_after_forward
             post_forward = process_groups.post_forward_group(shard, k, timeout)
     return comm.Groups.over(device, shard, replicate, post_forward=post_forward,
-                            post_forward_size=k, single_process=single_process)
+                            post_forward_size=k, requested_post_forward=requested,
+                            single_process=single_process)
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,

@@ -22,6 +22,9 @@ class Groups:
     replicate: dist.ProcessGroup | None = None
     post_forward: dist.ProcessGroup | None = None
     post_forward_size: int = 1
+    # The int the user gave reshard_after_forward (1 for a bool): post_forward_size is 1 where k
+    # equals the shard size (the same as True here), but an own mesh must still be divisible by it
+    requested_post_forward: int = 1
     # set_separate_reduce_scatter_group: a second group over the shard ranks for the gradient
     # reductions, so they do not queue behind all-gathers on one communicator
     separate_reduce_scatter: dist.ProcessGroup | None = None

@@ -122,7 +122,7 @@ def _own_groups(mesh, unit_groups: comm.Groups, timeout, where: str) -> comm.Gro
     equal to it keeps this rank's own shard as its post-forward chunk (regathered over the
     shard group)."""
     own = comm.Groups.of_mesh(mesh, unit_groups.device)
-    k = unit_groups.post_forward_size
+    k = unit_groups.requested_post_forward  # (the unit's own k may have become True: its size)
     if k == 1:
         return own
     if own.shard_size % k:
