@@ -12,7 +12,7 @@ NPROC   ?= 2
 help: ## this list (also what a bare `make` prints)
 	@echo "make TARGET, for one of these (each sets up what it needs first: .venv, the extension):"
 	@awk 'BEGIN { FS = ":.*## " } /^[a-z][a-z-]*:.*## / { printf "  %-13s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
-	@echo "Settings: NPROC=$(NPROC) (compile jobs), FSDP_EXT_CUDA=auto|0|1 (CUDA kernels), SLOW_BUDGET_S, SOAK_STEPS; README.md and docs/testing.md say more."
+	@echo "Settings: NPROC=$(NPROC) (compile jobs), FSDP_EXT_CUDA=auto|0|1 (CUDA kernels), SLOW_BUDGET_S, ESSENTIAL_BUDGET_S, SOAK_STEPS; README.md and docs/testing.md say more."
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	@echo "== set-up 1/2: $(VENV) with $(TORCH) (5.5 GB) and the test and example dependencies (about 2 minutes on a fresh machine)"
@@ -61,11 +61,14 @@ test: build ## the default test suite (CPU; GPU-only, slow and stream-order case
 
 # The cases marked slow (the soak has its own target). SLOW_BUDGET_S=N runs the cases marked
 # essential first (a client or a fault path) and skips, saying so, every other test that would
-# start after N seconds; an essential one past N fails the run: how CI runs them within its time.
+# start after N seconds; an essential one that would start after ESSENTIAL_BUDGET_S (default N)
+# fails the run: how CI runs them within its time.
 SLOW_BUDGET_S ?=
+ESSENTIAL_BUDGET_S ?=
 test-slow: build ## the cases marked slow (SLOW_BUDGET_S=N skips those that would start after N s)
 	$(VPY) -m pytest $(PYTEST_REPORT) --durations=0 -m slow --runslow --ignore=tests/test_soak.py tests \
-		$(if $(SLOW_BUDGET_S),--budget-s $(SLOW_BUDGET_S))
+		$(if $(SLOW_BUDGET_S),--budget-s $(SLOW_BUDGET_S)) \
+		$(if $(ESSENTIAL_BUDGET_S),--essential-budget-s $(ESSENTIAL_BUDGET_S))
 
 # Everything: the default suite, the slow cases, the stream-order scenarios, the soak at 300 steps,
 # and the exhaustive sweeps (every float32 bit pattern through the quantized kernels: ~15 minutes).

@@ -47,6 +47,7 @@ def test_the_page_prints_launch_commands():
 
 
 @pytest.mark.slow
+@pytest.mark.tool
 @pytest.mark.skipif(not os.path.exists(ACTIVATE), reason="no .venv made by `make build` here")
 @pytest.mark.parametrize("start,code", BLOCKS, ids=[f"line{start}" for start, _ in BLOCKS])
 def test_printed_commands_run(start, code):
@@ -133,6 +134,7 @@ def test_make_and_gpu_check_name_benchmark_scripts():
 
 
 @pytest.mark.slow
+@pytest.mark.tool
 @pytest.mark.parametrize("module", MODULES)
 def test_printed_benchmark_scripts_import(module):
     proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,

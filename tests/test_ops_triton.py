@@ -392,6 +392,7 @@ print("compiled", compiled)
 
 
 @pytest.mark.slow
+@pytest.mark.tool  # (Triton's compiler)
 def test_kernels_compile_for_gpu():
     result = _compile_ahead_of_time(_GPU_COMPILE_SCRIPT, timeout=600)
     assert result.returncode == 0 and "compiled 288" in result.stdout, result.stderr[-3000:]

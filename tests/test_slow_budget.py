@@ -1,7 +1,8 @@
 """The slow tier's time budget (tests/conftest.py, `--budget-s`), run on a throwaway suite by
-pytest itself: the cases marked `essential` run first under a budget, in their files' order;
+pytest itself: the cases marked `essential` run first under a budget, those marked `tool` last,
+in their files' order;
 past the budget an essential case fails the run (an error at its set-up) while any other is
-skipped, saying why; without
+skipped; with a separate budget for the essential cases they run past the others' budget, saying why; without
 a budget nothing is reordered."""
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ CONFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py
 
 SUITE = textwrap.dedent("""
     import pytest
+
+    @pytest.mark.slow
+    @pytest.mark.tool
+    def test_tool_0():
+        pass
 
     @pytest.mark.slow
     def test_plain_a():
@@ -59,14 +65,15 @@ def test_essential_cases_run_first_under_a_budget(tmp_path):
     code, out = _run(tmp_path, "--budget-s", "600")
     assert code == 0, out
     assert _outcomes(out) == [("essential_b", "PASSED"), ("essential_d", "PASSED"),
-                              ("plain_a", "PASSED"), ("plain_c", "PASSED")], out
+                              ("plain_a", "PASSED"), ("plain_c", "PASSED"),
+                              ("tool_0", "PASSED")], out
 
 
 def test_without_a_budget_the_order_is_the_files(tmp_path):
     code, out = _run(tmp_path)
     assert code == 0, out
-    assert [name for name, _ in _outcomes(out)] == ["plain_a", "essential_b", "plain_c",
-                                                    "essential_d"], out
+    assert [name for name, _ in _outcomes(out)] == ["tool_0", "plain_a", "essential_b",
+                                                    "plain_c", "essential_d"], out
 
 
 def test_an_essential_case_past_the_budget_fails_the_run(tmp_path):
@@ -75,5 +82,15 @@ def test_an_essential_case_past_the_budget_fails_the_run(tmp_path):
     code, out = _run(tmp_path, "--budget-s", "0", "-rfs")
     assert code == 1, out
     assert _outcomes(out) == [("essential_b", "ERROR"), ("essential_d", "ERROR"),
-                              ("plain_a", "SKIPPED"), ("plain_c", "SKIPPED")], out
+                              ("plain_a", "SKIPPED"), ("plain_c", "SKIPPED"),
+                              ("tool_0", "SKIPPED")], out
     assert "essential case not run" in out and "over the time budget of 0 s" in out, out
+
+
+def test_essential_cases_run_past_the_budget_of_the_others(tmp_path):
+    # The others' budget spent, the essential one not: the essential cases run, the others skip.
+    code, out = _run(tmp_path, "--budget-s", "0", "--essential-budget-s", "600")
+    assert code == 0, out
+    assert _outcomes(out) == [("essential_b", "PASSED"), ("essential_d", "PASSED"),
+                              ("plain_a", "SKIPPED"), ("plain_c", "SKIPPED"),
+                              ("tool_0", "SKIPPED")], out

@@ -150,8 +150,10 @@ def test_torchtitan_trainer_qwen3_moe_ep2_matches_torch_fsdp2(tmp_path, backend,
 
 
 @pytest.mark.slow
-@pytest.mark.essential
-@pytest.mark.parametrize("schedule,resume", [("1F1B", True), ("Interleaved1F1B", False)])
+@pytest.mark.parametrize("schedule,resume", [
+    pytest.param("1F1B", True, marks=pytest.mark.essential),
+    ("Interleaved1F1B", False),   # (the default tier's tests/test_pipelining.py runs it too)
+])
 def test_torchtitan_trainer_pipeline_parallel_matches_torch_fsdp2(tmp_path, schedule, resume):
     """World 4 as PP 2 x FSDP 2 (torchtitan's pipeline_llm: torch's PipelineStage and schedule
     drive each stage's FSDPModule, tests/test_pipelining.py): the gradient norms (global; the
