@@ -298,6 +298,47 @@ def test_offload_clip_syncs_once_per_step(plant):
     run_distributed(offload_clip_worker, 2, plant)
 
 
+def _pipelined_unknown(original):
+    def finish_reductions(self):
+        original(self)
+        self.pipelined = False  # planted: the schedule forgets that forwards run ahead
+    return finish_reductions
+
+
+def pipeline_worker(rank: int, world_size: int, plant: bool) -> None:
+    """PP 2 x FSDP 2 under torch's Schedule1F1B (tests/test_pipelining.py), the side-stream path
+    under the model: no stream-order problem; the runtime's host syncs only at ALLOWED sites, and
+    from the second optimizer step on one per step on every rank, though the first stage runs
+    the second micro-batch's forward before the first one's backward (its tags are read once, at
+    the step's end). The first step makes one more there: the schedule learns it is pipelined at
+    that step's end. `plant`: a schedule that forgets it must fail the count on the first
+    stage's ranks."""
+    import fsdp_ext
+    from fsdp_ext.runtime.schedule import Schedule
+    from . import test_pipelining
+    steps = 3
+    with _patched(Schedule, "finish_reductions", _pipelined_unknown if plant else None):
+        with stream_check() as model:
+            test_pipelining.train(fsdp_ext.fully_shard, "1F1B", steps=steps)
+    per_step = test_pipelining.MICRO_BATCHES  # root iterations (micro-batches) per step
+
+    def check():
+        assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
+        runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
+        counts = [sum(1 for i in runtime if s * per_step < i <= (s + 1) * per_step)
+                  for s in range(steps)]
+        assert counts[0] <= 2 and counts[1:] == [1] * (steps - 1), (rank, counts)
+    # (the last stage's ranks, 2 and 3, run each forward's backward before the next forward)
+    _expect(plant and rank < 2, check)
+    dist.barrier()
+
+
+@pytest.mark.stream_check
+@pytest.mark.parametrize("plant", [False, True], ids=["as_is", "planted_sync"])
+def test_pipeline_syncs_once_per_step(plant):
+    run_distributed(pipeline_worker, 4, plant, timeout_s=300.0)
+
+
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
 def _skip_event_wait(original):
     def wait(self):

@@ -233,8 +233,12 @@ class CollectiveChecker:
             last = f"{collective.what(sequence)}, {phase}"
         self.watch.record(self.step, where, last)
 
-    def next_iteration(self) -> None:
-        if not self._read_since_forward:  # a forward with gradients whose backward never ran
+    def next_iteration(self, micro_batches_in_flight: bool = False) -> None:
+        """A root forward starts. The tags of a forward with gradients whose backward never ran
+        are read now, unless the previous forward's backward is still to come
+        (`micro_batches_in_flight`: a pipeline schedule runs several micro-batches' forwards
+        before their backwards, and reads every tag once at the step's end)."""
+        if not self._read_since_forward and not micro_batches_in_flight:
             self.read_flags()
         self._read_since_forward = False
         self.step += 1

@@ -76,6 +76,9 @@ class Schedule:
         self.kept_for_backward: list[Unit] = []
         self.post_optim_event = None      # set_post_optim_event: what the next all-gather waits on
         self._reported_idle: set[Unit] = set()  # units named by _report_idle_units
+        # A pipeline schedule drives this root (finish_reductions was called): its forwards run
+        # ahead of their backwards, and the step's end makes the one host sync
+        self.pipelined = False
 
     @classmethod
     def create_standalone(cls, unit: Unit) -> "Schedule":
@@ -118,7 +121,7 @@ class Schedule:
         self.kept_for_backward = []
         for unit in self.units:  # users edit models between steps: check before any collective
             unit.start_step()
-        self.checker.next_iteration()
+        self.checker.next_iteration(micro_batches_in_flight=self.pipelined)
         streams.iteration_started(self, self.checker.step)
         if not self.streams.side:
             self.post_optim_event = None  # no stream to order: the optimizer step already ended
@@ -246,6 +249,7 @@ class Schedule:
         """After gradients were reduced outside a backward (grads.reduce_accumulated, for torch's
         pipelining): wait for every reduction, reshard the units that reshard after backward and
         make the step's one host sync, as the end of a reducing backward does."""
+        self.pipelined = True
         self.drain_reduce_scatters()
         for unit in self.units:
             if unit.reshard_after_backward:
