@@ -76,9 +76,7 @@ class Schedule:
         self.kept_for_backward: list[Unit] = []
         self.post_optim_event = None      # set_post_optim_event: what the next all-gather waits on
         self._reported_idle: set[Unit] = set()  # units named by _report_idle_units
-        # A pipeline schedule drives this root (finish_reductions was called): its forwards run
-        # ahead of their backwards, and the step's end makes the one host sync
-        self.pipelined = False
+        self.pipelined = False  # finish_reductions ran: forwards run ahead of their backwards
 
     @classmethod
     def create_standalone(cls, unit: Unit) -> "Schedule":
@@ -246,9 +244,8 @@ class Schedule:
             self.checker.defer_flags()
 
     def finish_reductions(self) -> None:
-        """After gradients were reduced outside a backward (grads.reduce_accumulated, for torch's
-        pipelining): wait for every reduction, reshard the units that reshard after backward and
-        make the step's one host sync, as the end of a reducing backward does."""
+        """After grads.reduce_accumulated (torch's pipelining): wait, reshard and make the step's
+        one host sync, as the end of a reducing backward does."""
         self.pipelined = True
         self.drain_reduce_scatters()
         for unit in self.units:
