@@ -23,7 +23,6 @@ from __future__ import annotations
 import inspect
 
 import torch.distributed as dist
-
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
@@ -32,10 +31,9 @@ from ..runtime.grads import reduce_accumulated
 from ..runtime.registry import unit_of, units_with_paths
 
 
-def _torch_state_key():
-    """The key torch's `fully_shard.state(module)` reads: the undecorated function its
-    `contract` decorator closed over."""
-    return inspect.getclosurevars(_torch_fully_shard.state).nonlocals["func"]
+# The key torch's `fully_shard.state(module)` reads: the undecorated function its `contract`
+# decorator closed over (found once, not at every fully_shard call).
+_TORCH_STATE_KEY = inspect.getclosurevars(_torch_fully_shard.state).nonlocals["func"]
 
 
 class _ParamGroup:
@@ -98,4 +96,4 @@ class _StageState:
 def register(module: nn.Module) -> None:
     """Make torch's `fully_shard.state(module)` answer for fsdp_ext's unit of `module`."""
     states = module.__dict__.setdefault(_STATE_KEY, {})
-    states[_torch_state_key()] = _StageState(module)
+    states[_TORCH_STATE_KEY] = _StageState(module)
