@@ -170,30 +170,37 @@ class _PoisonedAllocations(TorchDispatchMode):
         return out
 
 
-def _padding_of(bucket) -> torch.Tensor:
-    """The elements of a bucket's shard that hold no parameter (the padding)."""
+def _padding_mask(bucket) -> torch.Tensor:
+    """Which elements of a bucket's shard hold no parameter (the padding)."""
     mask = torch.ones(bucket.shard_numel, dtype=torch.bool)
     for i in range(len(bucket.slots)):
         mask[slice(*bucket.layout.local_range(i))] = False
-    return bucket.shard[mask]
+    return mask
+
+
+def _padding_of(bucket) -> torch.Tensor:
+    """The elements of a bucket's shard that hold no parameter (the padding)."""
+    return bucket.shard[_padding_mask(bucket)]
+
+
+def _uneven() -> GPT:  # 97 rows (uneven chunks), LayerNorms of 36: 18 values and 6 padding
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, d_model=36))
 
 
 def check_meta_init_zeroes_padding(rank: int, world: int) -> None:
     """Meta device -> fully_shard with each wire format -> to_empty (its allocations poisoned
     with NaN, then with garbage) -> torch's set_model_state_dict: every shard's padding is zero
-    (a quantized gather puts it in its parameter's last block, so it would enter the scale) and
-    training gives the losses, bit for bit, of the same model built with its values."""
+    (whatever the allocator handed out) and training gives the losses, bit for bit, of the same
+    model built with its values."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    def uneven() -> GPT:  # 97 rows (uneven chunks), LayerNorms of 36: 18 values and 6 padding
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, d_model=36))
-    values = uneven().state_dict()
+    values = _uneven().state_dict()
     for policy in (None, CommPolicy("int8"), CommPolicy("fp8")):
-        expected = _train(_shard(uneven(), "fully_shard", policy), rank, world, steps=3)
+        expected = _train(_shard(_uneven(), "fully_shard", policy), rank, world, steps=3)
         for poison in ("nan", "garbage"):
             with torch.device("meta"):
-                model = _shard(uneven(), "fully_shard", policy)
+                model = _shard(_uneven(), "fully_shard", policy)
             with _PoisonedAllocations(poison):
                 model.to_empty(device="cpu")
             set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True))
@@ -203,6 +210,51 @@ def check_meta_init_zeroes_padding(rank: int, world: int) -> None:
                     assert (padding == 0).all(), (policy, poison, unit.name, padding)
             losses = _train(model, rank, world, steps=3)
             assert losses == expected, (policy, poison, losses, expected)
+
+
+def _gathered_and_grads(model, rank: int):
+    """Every parameter as forward sees it (the gathered values), then the loss and the reduced
+    gradients of one step."""
+    seen = {}
+
+    def capture(module, args):
+        for attr, value in module._parameters.items():
+            if value is not None:  # (what forward sees: the gathered tensor)
+                seen[f"{names[module]}.{attr}"] = getattr(module, attr).detach().clone()
+    names = {m: n for n, m in model.named_modules()}
+    hooks = [m.register_forward_pre_hook(capture) for m in names]
+    loss = model(*_batch(0, rank))
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    return seen, loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def check_nan_in_padding_stays_in_the_padding(rank: int, world: int) -> None:
+    """NaN planted in every shard's padding (as anything that writes a shard might leave it):
+    each quantized block's scale comes from the values it holds, so the gathered parameters
+    (forward and backward's regather), the loss and the gradients are those of zero padding."""
+    for policy in (CommPolicy("int8", "int8", block_size=64), CommPolicy("fp8")):
+        runs, planted = [], 0
+        for poison in (False, True):
+            model = _shard(_uneven(), "fully_shard", policy)
+            with torch.no_grad():
+                model(_batch(0, rank)[0])  # (lazy init: the units' buckets exist after it)
+                for unit in fsdp_ext.runtime.registry.units_of(model):
+                    for bucket in unit.buckets:
+                        padding = _padding_mask(bucket)
+                        if poison:
+                            bucket.shard[padding] = float("nan")
+                            planted += int(padding.sum())
+            runs.append(_gathered_and_grads(model, rank))
+        assert planted >= 6 * 5, planted  # (at least the LayerNorms' 6 on every rank)
+        (seen, loss, grads), (seen_nan, loss_nan, grads_nan) = runs
+        assert seen.keys() == seen_nan.keys() and len(seen) > 10, sorted(seen)
+        for name, value in seen_nan.items():
+            assert value.isfinite().all() and torch.equal(value, seen[name]), (policy, name)
+        assert torch.equal(loss_nan, loss), (policy, loss_nan, loss)
+        for name, grad in grads_nan.items():
+            assert torch.equal(grad, grads[name]), (policy, name)
 
 
 def check_inheritance_and_describe(rank: int, world: int) -> None:
@@ -252,7 +304,8 @@ def check_bad_input(rank: int, world: int) -> None:
 
 CHECKS = [check_training_follows_exact, check_gathered_parameters, check_reduced_gradients,
           check_checkpoints_hold_the_masters, check_meta_init_zeroes_padding,
-          check_inheritance_and_describe, check_bad_input]
+          check_nan_in_padding_stays_in_the_padding, check_inheritance_and_describe,
+          check_bad_input]
 
 
 def _worker(rank: int, world: int) -> None:

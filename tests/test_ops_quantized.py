@@ -266,12 +266,16 @@ def test_slot_layout_and_runtime_blocks():
     from fsdp_ext.runtime.wire_quantized import block_starts
     assert ops.slot_bytes(1000, 16) == 1008 + 16 * 4
     assert ops.slot_bytes(0, 0) == 0
-    # two small parameters and a large one in one copied group: a block at each parameter
+    # two small parameters and a large one in one copied group: a block at each parameter, and
+    # one at each parameter's end, where its padding starts (a rank holds 6, 150 and 5 values,
+    # each padded to a multiple of 8), so that no scale covers padding
     layout = rows_layout([(4, 3), (300,), (2, 5)], world_size=2, rank=0, direct_min_numel=10**9)
     (group,) = layout.groups
     starts = block_starts(layout, group, 0, 64)
-    firsts = [layout.local_range(i, 0)[0] - group.shard_offset for i in range(3)]
-    assert set(firsts) <= set(starts)
+    ranges = [layout.local_range(i, 0) for i in range(3)]
+    firsts = [start - group.shard_offset for start, _ in ranges]
+    ends = [end - group.shard_offset for _, end in ranges]
+    assert set(firsts) <= set(starts) and ends == [6, 158, 165] and set(ends) <= set(starts)
     assert all(b - a <= 64 for a, b in zip(starts, starts[1:] + [group.shard_numel]))
 
 

@@ -2,8 +2,13 @@
 
 For machines without a GPU (CI, laptops): nvcc and torch's CUDA headers are enough. Each .cu is
 compiled with the flags setup.py's build uses (torch include paths, -std=c++20 as torch's headers
-require, TORCH_CUDA_ARCH_LIST, by default setup.py's "8.0;9.0+PTX") to an object in a temporary directory that is then
-deleted. The exit status is non-zero if any file fails.
+require, TORCH_CUDA_ARCH_LIST, by default setup.py's "8.0;9.0+PTX") to an object in a temporary
+directory that is then deleted. The exit status is non-zero if any file fails.
+
+Stricter than the build: every warning is an error (nvcc's -Werror all-warnings), and ptxas warns
+when a kernel spills registers to local memory or uses a stack frame at all (-warn-spills,
+-warn-lmem-usage): a spill is a silent slowdown the build would accept, and no kernel here needs
+local memory. The failure names each such kernel, demangled, with ptxas's byte counts.
 
 This always runs nvcc rather than reusing objects from a previous `pip install -e .`: those live in
 a temporary build directory that pip removes, and one .cu takes about two minutes on two cores.
@@ -55,8 +60,21 @@ def nvcc_command(cuda_home: str, source: str, obj: str, arch_list: str) -> list[
     return ([os.path.join(cuda_home, "bin", "nvcc"), "-c", source, "-o", obj, "-std=c++20", "-O3",
              "--compiler-options", "-fPIC", "-Xcompiler=-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=_C"]
-            + cpp_extension.COMMON_NVCC_FLAGS + arch_flags(arch_list)
+            + cpp_extension.COMMON_NVCC_FLAGS + arch_flags(arch_list) + STRICT_FLAGS
             + [f"-I{path}" for path in includes])
+
+
+# Warnings are errors, and ptxas warns of register spills and of any local memory (stack frame).
+STRICT_FLAGS = ["-Werror", "all-warnings", "-Xptxas=-warn-spills,-warn-lmem-usage"]
+
+
+def demangled(text: str) -> str:
+    """nvcc's output with the kernels' mangled names readable (c++filt, where it is installed)."""
+    try:
+        return subprocess.run(["c++filt"], input=text, capture_output=True, text=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return text
 
 
 def main() -> int:
@@ -89,7 +107,7 @@ def main() -> int:
             name = os.path.relpath(source, ROOT)
             print(f"cuda_check: {name} [{args.arch}] {status} in {time.time() - start:.0f}s")
             if result.returncode != 0 or args.verbose:
-                sys.stdout.write(result.stdout + result.stderr)
+                sys.stdout.write(demangled(result.stdout + result.stderr))
             failures += result.returncode != 0
     return 1 if failures else 0
 

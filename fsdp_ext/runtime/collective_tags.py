@@ -3,36 +3,36 @@ used, and a rank that diverges is named.
 
 Each all-gather, reduce-scatter and (HSDP) all-reduce is issued together with a tag exchange: a
 64-bit hash of (kind, unit, the buckets' sizes and dtypes, its sequence number on that process
-group), all-gathered asynchronously on the same group just before the data collective,
-in the same order (the same stream on accelerators). Nothing waits for it at issue time. Where the
-data is waited for (`comm.Pending.wait`), the tag is checked: if any rank sent another tag (it
-skipped or reordered a unit, ran an extra micro-batch, left the loop), every rank raises
+group), all-gathered asynchronously on the same group just before the data collective, in the same
+order (the same stream on accelerators). Nothing waits for it at issue time. Where the data is
+waited for (`comm.Pending.wait`), the tag is checked: if any rank sent another tag (it skipped or
+reordered a unit, ran an extra micro-batch, left the loop), every rank raises
 CollectiveMismatchError, even when the two collectives had the same size and their bytes were
-silently exchanged: on CPU ranks before touching the data, on accelerators at the end of the
-step's backward, before the optimizer step ([Note: checking on the device]). Each rank then
-writes what it was doing to the process group's store and reads the others' (bounded), so the
-error names, for every rank, the collective it was at. Why the tag is a collective of its own:
-docs/diagnostics.md, "Tags beside the data" (docs/diagnostics.md, "Why a tag is a collective of its own"). A rank whose peers stopped issuing collectives is named by the
-peer watch (peer_watch.py): the tags tell it which collective this rank waits on.
+silently exchanged: on CPU ranks before touching the data, on accelerators at the end of the step's
+backward, before the optimizer step ([Note: checking on the device]). Each rank then writes what it
+was doing to the process group's store and reads the others' (bounded), so the error names, for
+every rank, the collective it was at. Why the tag is a collective of its own: docs/diagnostics.md,
+"Tags beside the data". A rank whose peers stopped issuing collectives is named by the peer watch
+(peer_watch.py): the tags tell it which collective this rank waits on.
 
-`FSDP_EXT_CHECK=off` (env.py) turns the tags off; it exists to measure what they cost (docs/benchmarks.md).
-`FSDP_EXT_CHECK=sync` checks every tag on the host where its data is waited for, on accelerators
-too (the earliest error, at the price of the host syncs below).
-After a CollectiveMismatchError the process group may hold mismatched collectives in flight: the
-run cannot go on (as after any collective failure); end it.
+`FSDP_EXT_CHECK=off` (env.py) turns the tags off; it exists to measure what they cost
+(docs/benchmarks.md). `FSDP_EXT_CHECK=sync` checks every tag on the host where its data is waited
+for, on accelerators too (the earliest error, at the price of the host syncs below). After a
+CollectiveMismatchError the process group may hold mismatched collectives in flight: the run cannot
+go on (as after any collective failure); end it.
 
 [Note: checking on the device]
 On CPU ranks the host compares the gathered tags where the data is waited for: that wait is the
 host's anyway. On an accelerator a host compare would block the host at every collective (a
-device-to-host copy of the tags waits for everything queued before it), so the host could never
-run more than one unit ahead of the device. There the tag is made by a fill kernel (no host
-copy), compared on the compute stream where the data is waited for (`Tag.compare`: one flag per
-exchange, no sync), and the flags of a step are copied to pinned host memory and read once, by
-`read_flags` at the end of backward (or of a forward without gradients): one bounded host sync per
-step. A mismatch then raises on every rank of the group before the optimizer step; the
-mismatched data may have fed that step's forward and backward, whose results the error discards.
-A stalled peer surfaces there too, within the collective timeout (or earlier, at a host sync of
-the user's own, such as `loss.item()`, which the process group's watchdog bounds).
+device-to-host copy of the tags waits for everything queued before it), so the host could never run
+more than one unit ahead of the device. There the tag is made by a fill kernel (no host copy),
+compared on the compute stream where the data is waited for (`Tag.compare`: one flag per exchange,
+no sync), and the flags of a step are copied to pinned host memory and read once, by `read_flags`
+at the end of backward (or of a forward without gradients): one bounded host sync per step. A
+mismatch then raises on every rank of the group before the optimizer step; the mismatched data may
+have fed that step's forward and backward, whose results the error discards. A stalled peer
+surfaces there too, within the collective timeout (or earlier, at a host sync of the user's own,
+such as `loss.item()`, which the process group's watchdog bounds).
 """
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ class _Collective:
 
     def __init__(self, kind: str, unit: str, sizes: list[tuple[int, torch.dtype]]):
         shape = ", ".join(f"{n} x {str(d).replace('torch.', '')}" for n, d in sizes)
-        self.kind = kind
-        self.rest = f" of unit '{unit or '<root>'}' ({shape})"
+        self.kind, self.rest = kind, f" of unit '{unit or '<root>'}' ({shape})"
         self._rest_bytes = self.rest.encode()
         self._hash_head = hashlib.blake2b(f"{kind} #".encode(), digest_size=7)
 
@@ -77,8 +76,7 @@ class _Collective:
     def value(self, sequence: int) -> int:
         """The 56-bit hash of `what(sequence)`."""
         digest = self._hash_head.copy()
-        digest.update(b"%d" % sequence)
-        digest.update(self._rest_bytes)
+        digest.update(b"%d" % sequence + self._rest_bytes)  # (one update: the same digest)
         return int.from_bytes(digest.digest(), "little")
 
 
@@ -90,9 +88,8 @@ class Tag:
     is waited for (CPU ranks; `FSDP_EXT_CHECK=sync`), or `compare()` on the device where the data is
     waited for, into a flag that `CollectiveChecker.read_flags` reads once per step.
 
-    What comm.py asks of it, and nothing else (comm.CollectiveCheck): `exchange()` at the launch;
-    `before_wait(timeout)`, `waiting()`, `on_failure(exc, timeout)` and `after_wait()` around the
-    wait for the data."""
+    What comm.py asks of it (comm.CollectiveCheck): `exchange()` at the launch; `before_wait`,
+    `waiting`, `on_failure` and `after_wait` around the wait for the data."""
 
     __slots__ = ("checker", "group", "key", "sequence", "collective", "phase", "iteration",
                  "value", "on_device", "mine", "everyone", "work", "event", "bad", "slot",
@@ -114,8 +111,7 @@ class Tag:
         self.everyone = torch.empty(size, dtype=torch.int64, device=checker.device)
         self.work = self.event = None
         self.bad: torch.Tensor | None = None  # on the device: how many ranks' tags differ
-        self.slot = -1                        # its flag's place in the checker's pinned buffers
-        self.checked = False
+        self.slot, self.checked = -1, False   # slot: its flag's place in the pinned buffers
         self._description: str | None = None
 
     @property
@@ -205,9 +201,7 @@ class CollectiveChecker:
                  side_streams: bool = False, mode: str = "on"):
         """`mode`: FSDP_EXT_CHECK as env.py read it: "on", "off", or "sync" (every tag checked on
         the host where its data is waited for, also on accelerators)."""
-        self.device = device
-        self.timeout = timeout
-        self.side_streams = side_streams
+        self.device, self.timeout, self.side_streams = device, timeout, side_streams
         self.enabled = mode != "off"
         # With side streams the host must not wait for the device at each collective.
         self.on_device = side_streams and mode == "on"
@@ -217,7 +211,7 @@ class CollectiveChecker:
         self.outstanding: dict[str, collections.deque] = {}  # per group: tags not checked yet
         self.unread: list[Tag] = []  # on the device: tags since the last read_flags, issue order
         # Pinned host memory the compared flags are copied into, _FLAGS_PER_BUFFER a buffer, kept
-        # and reused: a slot is written again only after read_flags waited for its copy.
+        # and reused once read_flags waited for their copies (dropped if that wait timed out).
         self._flag_buffers: list[torch.Tensor] = []
         self._group_keys: dict[int, tuple] = {}  # id(group) -> (key, size, group)
         self._collectives: dict[tuple, _Collective] = {}  # (kind, unit, sizes) -> shared parts
@@ -282,12 +276,17 @@ class CollectiveChecker:
             self._flag_buffers.append(buffer.fill_(-1))
         return self._flag_buffers[index][offset]
 
-    def _flags(self, count: int) -> list[int]:
-        """The first `count` flags as the host sees them now; the slots are reset for reuse."""
+    def _flags(self, count: int, copies_done: bool = True) -> list[int]:
+        """The first `count` flags as the host sees them now, their slots reset for reuse; unless
+        their copies may still land (a timed-out wait): then later steps get fresh buffers,
+        where no late copy can pass for their flag (the pinned allocator keeps a freed block
+        until the copies recorded on it are done)."""
         values = []
         for index in range((count + _FLAGS_PER_BUFFER - 1) // _FLAGS_PER_BUFFER):
-            buffer = self._flag_buffers[index]
-            values += buffer[:count - index * _FLAGS_PER_BUFFER].tolist()
+            values += self._flag_buffers[index][:count - index * _FLAGS_PER_BUFFER].tolist()
+        if not copies_done:
+            self._flag_buffers = []
+        for buffer in self._flag_buffers:  # (also any a longer step used: 256 values each)
             buffer.fill_(-1)
         return values
 
@@ -319,7 +318,7 @@ class CollectiveChecker:
             try:
                 wait_bounded(copied, self.timeout)
             except Exception as exc:
-                arrived = self._flags(len(tags))  # no wait: what the device copied so far
+                arrived = self._flags(len(tags), copies_done=False)  # what landed so far
                 for tag, bad in zip(tags, arrived):
                     if bad > 0:
                         self.report_mismatch(tag)

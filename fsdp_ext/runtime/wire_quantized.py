@@ -3,8 +3,9 @@ all-to-all reduction of gradients, or gradients reduced in bf16. The byte layout
 and the arithmetic are the ops' (ops/reference.py, "block-quantized collectives").
 
     blocks:    a rank's region of a gather group is quantized in blocks of at most `block_size`
-               values that never span two parameters (block_starts): one scale per block, so a
-               LayerNorm's small values do not share a scale with a large neighbour's
+               values that never span two parameters, nor a parameter and padding
+               (block_starts): one scale per block, so a LayerNorm's small values do not share a
+               scale with a large neighbour's, and NaN in the padding stays in the padding
     weights:   per gather group, this rank's region of its shard quantized into its slot of a
                [W * B] byte buffer (B: the group's slot stride, the largest slot of any rank);
                one all-gather of bytes (the gather path every format takes); at the wait every
@@ -37,15 +38,17 @@ def with_policy(wire, policy):
 
 
 def block_starts(layout, group, rank: int, block: int) -> list[int]:
-    """Where the blocks of `rank`'s region of gather group `group` (Q values) start: at 0, at
-    every parameter's piece, and every `block` values within a piece (the padding after a piece
-    is its last block's), so that no scale spans two parameters."""
+    """Where the blocks of `rank`'s region of gather group `group` (Q values) start: at 0, where
+    every parameter's piece starts and ends, and every `block` values within a piece or a run of
+    padding. No scale spans two parameters, nor a parameter and padding: a block's scale comes
+    from the values it holds, so whatever the padding holds (NaN, garbage) reaches only the
+    padding's own blocks, as the exact path carries it, never a parameter's values."""
     q = group.shard_numel
     cuts = {0}
     for index in group.slots:
         start, end = layout.local_range(index, rank)
         if end > start:
-            cuts.add(start - group.shard_offset)
+            cuts.update((start - group.shard_offset, end - group.shard_offset))
     cuts = sorted(c for c in cuts if c < q)
     starts = []
     for begin, end in zip(cuts, cuts[1:] + [q]):
