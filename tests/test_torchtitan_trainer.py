@@ -6,6 +6,8 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
 - the losses, the largest per-rank loss and the gradient norm agree bitwise every step;
 - a checkpoint saved by one implementation at step 2 resumes under the other, and the resumed
   run's steps 3-4 agree bitwise with the uninterrupted runs' (both directions);
+- as many gradient reductions as torch's, sending as many elements, with the chunked loss and
+  with DeepSeek V3's multi-token prediction (its embedding and head used twice per forward);
 - the same at world 4 with tensor parallelism 2, on its default backend and on full_dtensor;
 - the same with pipeline parallelism 2 at world 4 (1F1B with a checkpoint resumed across
   implementations, Interleaved1F1B);
@@ -15,6 +17,7 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -30,17 +33,23 @@ def _trajectory(records: list[dict]) -> dict[int, tuple[float, ...]]:
 
 
 def _both(tmp_path, assets, args: list[str], steps: int, logged: str = "",
-          **launch_kw) -> dict[str, dict]:
+          same_reductions: bool = False, **launch_kw) -> dict[str, dict]:
     """Torch's FSDP2, then fsdp_ext, on the same arguments: each run's trajectory (every step
-    1..steps), checked for the swap (and `logged`) in its log and equal between the two."""
-    runs = {}
+    1..steps), checked for the swap (and `logged`) in its log and equal between the two.
+    `same_reductions`: fsdp_ext also issued as many gradient reductions as torch's, sending as
+    many elements (titan_cpu.count_gradient_collectives)."""
+    runs, reductions = {}, {}
     for impl in ("torch", "fsdp_ext"):
         records, log = launch(impl, str(tmp_path / impl), assets, args, **launch_kw)
         assert f"FSDP implementation: {impl} (" in log     # the swap took (or was not made)
         assert logged in log
         runs[impl] = _trajectory(records)
         assert sorted(runs[impl]) == list(range(1, steps + 1))
+        with open(tmp_path / impl / "grad_collectives.json") as f:
+            reductions[impl] = json.load(f)
     assert runs["fsdp_ext"] == runs["torch"]
+    if same_reductions:
+        assert reductions["fsdp_ext"] == reductions["torch"], reductions
     return runs
 
 
@@ -68,11 +77,24 @@ def test_torchtitan_trainer_fsdp_ext_matches_torch_fsdp2(tmp_path):
     assets = make_assets(str(tmp_path / "assets"))
     save = ["--training.steps", str(STEPS), "--checkpoint.enable",
             "--checkpoint.interval", str(SAVE_AT)]
-    runs = _both(tmp_path, assets, save, STEPS)
+    runs = _both(tmp_path, assets, save, STEPS, same_reductions=True)  # (the chunked loss)
     for impl in ("torch", "fsdp_ext"):
         assert os.path.isdir(tmp_path / impl / "checkpoint" / f"step-{SAVE_AT}")
     assert runs["torch"][STEPS][0] < runs["torch"][1][0]    # it trains
     _resume_across(tmp_path, assets, runs, STEPS, SAVE_AT)
+
+
+@pytest.mark.slow
+@pytest.mark.essential
+def test_torchtitan_trainer_multi_token_prediction_matches_torch_fsdp2(tmp_path):
+    """DeepSeek V3 with multi-token prediction (`deepseek_v3_debugmodel_mtp`, cut to CPU size):
+    its embedding and output head run twice per forward. Bitwise equal to torch's FSDP2, with as
+    many gradient reductions and elements sent: each unit reduced once per backward."""
+    assets = make_assets(str(tmp_path / "assets"))
+    mtp = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel_mtp",
+           "--training.seq_len", "128", "--training.local_batch_size", "2",
+           "--training.disable_cuda_graphs", "--debug.seed", "42"]
+    _both(tmp_path, assets, ["--training.steps", "3"], 3, same_reductions=True, base=mtp)
 
 
 @pytest.mark.slow

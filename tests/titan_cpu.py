@@ -203,6 +203,40 @@ def _no_sleep_at_the_end() -> None:
     trainer.time.sleep = lambda seconds: None
 
 
+def count_gradient_collectives(path: str, impl: str) -> None:
+    """Rank 0 writes to `path`, at exit, how many gradient reductions the run issued and the
+    elements they sent: torch's FSDP2 reduce-scatters (reduce_scatter_single, one per parameter
+    group and backward), fsdp_ext's reductions of a bucket (on gloo an in-place all-reduce of the
+    packed groups, runtime/comm.py)."""
+    import atexit
+
+    import torch.distributed as dist
+    counts = {"calls": 0, "elements": 0}
+
+    def counted(original, elements):
+        def call(*args, **kwargs):
+            counts["calls"] += 1
+            counts["elements"] += elements(*args, **kwargs)
+            return original(*args, **kwargs)
+        return call
+
+    if impl == "torch":
+        dist.reduce_scatter_single = counted(
+            dist.reduce_scatter_single, lambda output, input, *a, **k: input.numel())
+    else:
+        from fsdp_ext.runtime import comm
+        comm.reduce_scatter_groups = counted(
+            comm.reduce_scatter_groups,
+            lambda flat, layout, group, async_op, sent=None: layout.world_size * sum(
+                g.shard_numel for i, g in enumerate(layout.groups) if sent is None or i in sent))
+
+    def write():
+        if os.environ.get("RANK") == "0":  # (the trainer destroyed its process group by now)
+            with open(path, "w") as f:
+                json.dump(counts, f)
+    atexit.register(write)
+
+
 def _force_sum_reduction_on_gloo() -> None:
     """torchtitan sets every FSDPModule's gradient divide factor to 1.0 (it scales the loss by
     the global token count itself); torch's FSDP2 then reduce-scatters with PREMUL_SUM, which
@@ -333,7 +367,8 @@ def launch(impl: str, out: str, assets: tuple[str, str], args: list[str], world_
            "--dataloader.dataset_path", assets[1], "--dump_folder", out, *args]
     # the datasets cache stays inside the run's folder; nothing is fetched from the network
     env = {"TITAN_CPU_METRICS": metrics, "HF_HOME": os.path.join(out, "hf"),
-           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "TITAN_CPU_GRAD_COLLECTIVES": os.path.join(out, "grad_collectives.json")}
     with Ranks(cmd, world_size, env=env) as ranks:
         results = ranks.wait(range(world_size), deadline_s)
     if any(r.returncode != 0 for r in results.values()):
@@ -357,6 +392,8 @@ def main(argv: list[str]) -> None:
         use_fsdp_ext()
     if os.environ.get("TITAN_CPU_METRICS"):
         record_metrics(os.environ["TITAN_CPU_METRICS"])
+    if os.environ.get("TITAN_CPU_GRAD_COLLECTIVES"):
+        count_gradient_collectives(os.environ["TITAN_CPU_GRAD_COLLECTIVES"], impl)
 
     import torchtitan.train
 

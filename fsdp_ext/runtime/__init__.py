@@ -3,7 +3,8 @@
 Owns: units and their hooks (unit.py; between steps and outside them: unit_lifecycle.py; a list
 of modules as one unit: list_unit.py; their named states and the one function that moves them:
 unit_state.py; what torch's setters change: unit_settings.py; what a unit checks for its user:
-unit_checks.py), a unit's parameters as a whole and what the modules hold (unit_params.py),
+unit_checks.py), a unit's parameters as a whole and what the modules hold (unit_params.py;
+the forward uses whose backward is still to come: backward_uses.py),
 parameters that `to_empty`, `.to` or `load_state_dict(assign=True)` replaced (adopt.py), methods
 registered to run forward (forward_methods.py), what a unit is built with (unit_config.py, the
 environment read once: env.py; the options a root's schedule reads: schedule_options.py), which

@@ -292,6 +292,12 @@ class Bucket:
         """Point parameter `index`'s .grad at its part of the gradient shard."""
         self.slots[index].param.grad = self.slots[index].grad_face
 
+    def unpublish_grad(self, index: int) -> None:
+        """Parameter `index`'s .grad back to None, unless something else replaced it since."""
+        slot = self.slots[index]
+        if slot.param.grad is slot.grad_face:
+            slot.param.grad = None
+
     def set_param_grads(self, grads: list[torch.Tensor | None]) -> None:
         """summon_full_params(with_grads=True): the user's parameters' `.grad` become full ones."""
         for slot, grad in zip(self.slots, grads):

@@ -36,16 +36,25 @@ if ops.HAVE_EXTENSION:
 DEFAULT_TIMEOUT_S = 300.0
 
 
+class DefaultTimeout(datetime.timedelta):
+    """The default bound (nobody set one), told apart from a value the user chose: the meet
+    before a process group's creation, which comes before a model's first collective (a rank
+    may still be loading a checkpoint or a dataset index alone), waits the process group's own
+    timeout instead, as torch's first collective would (process_groups.meet)."""
+
+
 def collective_timeout(seconds: float | datetime.timedelta | None = None,
                        environment: str | None = None) -> datetime.timedelta | None:
     """How long a wait on one of our collectives may block: the argument, else `environment`
-    (FSDP_EXT_COLLECTIVE_TIMEOUT_S as env.py read it), else 300 s (well under the process
-    group's own timeout: 30 min for gloo, 10 min for NCCL, so that the runtime, which knows the
-    units and the other ranks' progress, reports first). A peer that stopped issuing collectives
-    (stuck, dead, or in a different branch) becomes a CollectiveError naming it. 0 or "none": no
-    bound but the process group's."""
+    (FSDP_EXT_COLLECTIVE_TIMEOUT_S as env.py read it), else 300 s (a DefaultTimeout; well under
+    the process group's own timeout: 30 min for gloo, 10 min for NCCL, so that the runtime,
+    which knows the units and the other ranks' progress, reports first). A peer that stopped
+    issuing collectives (stuck, dead, or in a different branch) becomes a CollectiveError naming
+    it. 0 or "none": no bound but the process group's."""
+    if seconds is None and not environment:
+        return DefaultTimeout(seconds=DEFAULT_TIMEOUT_S)
     if seconds is None:
-        seconds = environment or DEFAULT_TIMEOUT_S
+        seconds = environment
     if isinstance(seconds, str) and seconds.lower() == "none":
         return None
     if isinstance(seconds, datetime.timedelta):
@@ -275,9 +284,11 @@ def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_o
     return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def reduce_scatter_groups(flat: torch.Tensor, layout, group, async_op: bool):
+def reduce_scatter_groups(flat: torch.Tensor, layout, group, async_op: bool,
+                          sent: list[int] | None = None):
     """Sum `flat` (W * S elements: each gather group's block at W * shard_offset, rank-major, see
-    layout.py) over `group`; return this rank's region of every group and the work handles.
+    layout.py) over `group`; return this rank's region of every group (of the groups `sent`
+    only, if given) and the work handles.
 
     gloo (every CPU tensor) has no native reduce-scatter: reduce_scatter_tensor clones its input,
     all-reduces the clone and copies the rank's chunk out when waited on. An all-reduce in place on
@@ -285,15 +296,19 @@ def reduce_scatter_groups(flat: torch.Tensor, layout, group, async_op: bool):
     or the output tensor; the rank's slices of it are the result.
     """
     world, rank = layout.world_size, layout.rank
+    groups = layout.groups if sent is None else [layout.groups[i] for i in sent]
     if group is None:  # one rank: the packed buffer is the result
-        return [flat.narrow(0, g.shard_offset, g.shard_numel) for g in layout.groups], []
+        return [flat.narrow(0, g.shard_offset, g.shard_numel) for g in groups], []
     if flat.device.type == "cpu":
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        blocks = [flat] if sent is None else [
+            flat.narrow(0, world * g.shard_offset, world * g.shard_numel) for g in groups]
+        works = [dist.all_reduce(b, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+                 for b in blocks]
         return [flat.narrow(0, world * g.shard_offset + rank * g.shard_numel, g.shard_numel)
-                for g in layout.groups], [work]
+                for g in groups], works
     reduced = torch.empty(layout.shard_numel, dtype=flat.dtype, device=flat.device)
     pieces, works = [], []
-    for g in layout.groups:
+    for g in groups:
         piece = reduced.narrow(0, g.shard_offset, g.shard_numel)
         block = flat.narrow(0, world * g.shard_offset, world * g.shard_numel)
         works.append(reduce_scatter_sum(piece, block, group, async_op))

@@ -28,13 +28,14 @@ from .trace import RECORDER, profiler_range, span
 
 
 def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, sent: list[int] | None = None) -> torch.Tensor:
     """One flat [W * S] buffer of `grads` (None -> zeros), cast and divided by `pre`: group g's
     block at W * g.shard_offset in rank-major order (a direct group's parameters at their place
-    in the gathered order, a copied group's cut into each rank's rows)."""
+    in the gathered order, a copied group's cut into each rank's rows). `sent`: only those
+    groups' blocks are written (None: all)."""
     layout = bucket.layout
     srcs, offsets = [], []
-    for g in layout.groups:
+    for g in _groups(layout, sent):
         base = layout.world_size * g.shard_offset
         if not g.copied:
             for index in g.slots:
@@ -51,10 +52,12 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
     return flat
 
 
-def reduce_bucket(unit, bucket: Bucket, grads) -> None:
-    """Handle the gradients of `bucket` (one of `unit`'s) from one backward use of `unit`."""
+def reduce_bucket(unit, bucket: Bucket, grads, ran: list[bool] | None = None) -> None:
+    """Handle the gradients of `bucket` (one of `unit`'s) from one backward use of `unit`
+    (`ran`: per parameter, whether its module ran in that use; None: all did)."""
     groups = bucket.groups  # its unit's, or its own mesh's (placements.py)
     bucket.grads.note_used([g is not None for g in grads])
+    bucket.grads.note_ran(ran if ran is not None else [True] * len(grads))
     # What goes on the wire is the bucket's wire format's (a CommPolicy may reduce in bf16).
     reduce_dtype = bucket.wire.reduce_dtype(unit.mp.reduce_dtype or bucket.full.dtype)
     pre, post = divide_factors(groups.data_parallel_size, unit.gradient_divide_factor)
@@ -66,23 +69,29 @@ def reduce_bucket(unit, bucket: Bucket, grads) -> None:
         bucket.grads.accumulate_unsharded(pack_grads(bucket, grads, reduce_dtype, pre, device))
         return
 
-    accumulator, partial, used, nonfinite = bucket.grads.take_for_sync()
+    accumulator, partial, used, nonfinite, ran = bucket.grads.take_for_sync()
     side = unit.schedule.streams.side
     all_reduce = groups.replicate is not None and unit.requires_all_reduce
     keep_partial = groups.replicate is not None and not unit.requires_all_reduce
+    sent = None
+    if partial is None and not keep_partial and unit.all_reduce_hook is None:
+        sent = groups_sent(bucket.layout, used, ran)
+        if sent == []:  # no member holding these parameters ran since the last sync
+            return
     record = PendingReduce(unit, bucket, keep_partial=keep_partial, divisor=post, used=used,
-                           nonfinite=nonfinite,
+                           nonfinite=nonfinite, sent=sent,
                            offload_on_stream=side and unit.offload is not None and not keep_partial)
 
     def collectives(async_op: bool) -> list:
         with profiler_range("pack_grads", unit.name):
-            flat = pack_grads(bucket, grads, reduce_dtype, pre, device)
+            flat = pack_grads(bucket, grads, reduce_dtype, pre, device, sent)
         if accumulator is not None:
             flat.add_(accumulator)
         # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
         # blocking reduce-scatter and an asynchronous all-reduce.
         blocking = not async_op or groups.replicate is not None
-        pieces, works = bucket.wire.reduce(flat, bucket, groups.reduce_scatter, not blocking)
+        pieces, works = bucket.wire.reduce(flat, bucket, groups.reduce_scatter, not blocking,
+                                           sent)
         if partial is not None:  # on the collective's stream, after the reduce-scatter
             for piece, earlier in zip(pieces, partial):
                 piece.add_(earlier)
@@ -100,7 +109,7 @@ def reduce_bucket(unit, bucket: Bucket, grads) -> None:
 
     def tags() -> list:
         issued = [checker.issue(groups.reduce_scatter, "reduce_scatter", unit.name,
-                                [(flat_numel(bucket), reduce_dtype)], "backward")]
+                                [(flat_numel(bucket, sent), reduce_dtype)], "backward")]
         if all_reduce:
             issued.append(checker.issue(groups.replicate, "all_reduce", unit.name,
                                         [(bucket.shard_numel, reduce_dtype)], "backward"))
@@ -152,6 +161,7 @@ class PendingReduce:
     pieces: list[torch.Tensor] = field(default_factory=list)  # this rank's reduced regions
     partial: list[torch.Tensor] | None = None  # keep_partial: their own copies
     used: list[bool] = field(default_factory=list)  # per parameter: got a gradient since sync
+    sent: list[int] | None = None              # the gather groups reduced (None: all)
     nonfinite: torch.Tensor | None = None     # check_finite_grads: the flags to exchange
 
     def launched(self, flat: torch.Tensor, pieces: list[torch.Tensor],
@@ -183,10 +193,12 @@ class PendingReduce:
             pieces = [to_host(p) for p in pieces]
         if self.offload_on_stream:  # the host reads its copies after the step's one wait
             used = self.used
+            sent = self.sent
             unit.schedule.host_reads.after_sync(
-                lambda: _epilogue(unit.name, bucket, pieces, divisor, used))
+                lambda: _epilogue(unit.name, bucket, pieces, divisor, used, sent))
         else:  # (on CPU the pieces are views of the packed buffer: before it is recycled)
-            _epilogue(unit.name, bucket, pieces, divisor, self.used)
+            _epilogue(unit.name, bucket, pieces, divisor, self.used, self.sent,
+                      unit.schedule.host_reads if unit.schedule.streams.side else None)
         self._release()
 
     def abandon(self) -> None:
@@ -200,18 +212,42 @@ class PendingReduce:
 
 
 def _epilogue(unit_name: str, bucket: Bucket, pieces: list[torch.Tensor], divisor: float,
-              used: list[bool]) -> None:
-    """Accumulate this rank's reduced shard into the bucket's gradient shard; publish `.grad`."""
+              used: list[bool], sent: list[int] | None, host_reads=None) -> None:
+    """Accumulate this rank's reduced shard into the bucket's gradient shard; publish `.grad`.
+    `host_reads`: the device's (side streams), where whether another rank used a parameter this
+    one did not is read after the step's one host wait."""
     accumulate = bucket.sync_param_grads_into_buffer()
+    reduced = _groups(bucket.layout, sent)
     with profiler_range("grad_epilogue", unit_name):
-        for g, piece in zip(bucket.layout.groups, pieces):
+        for g, piece in zip(reduced, pieces):
             ops.grad_epilogue(piece, bucket.grad_shard.narrow(0, g.shard_offset, g.shard_numel),
                               divisor, accumulate)
-    for i, (slot, view, was_used) in enumerate(zip(bucket.slots, bucket.grad_views, used)):
-        # A parameter no rank used keeps grad=None, so optimizers skip it as without sharding.
-        if slot.param.grad is None and not was_used and not view.any():
-            continue
+    unknown = []  # no gradient here: a zero reduced gradient means no rank used the parameter
+    for i in (i for g in reduced for i in g.slots):
+        if bucket.slots[i].param.grad is None and not used[i]:
+            unknown.append(i)
         bucket.publish_grad(i)
+    if unknown:
+        _unpublish_unused(bucket, unknown, host_reads)
+
+
+def _unpublish_unused(bucket: Bucket, indices: list[int], host_reads) -> None:
+    """A parameter no rank used goes back to grad=None, so optimizers skip it as without
+    sharding. Its reduced gradient is tested on the device; with side streams the flags are
+    copied to the host and read after the step's one host wait (until then `.grad` is its zero
+    gradient, and a later reduction accumulates into it as into any published gradient)."""
+    views = bucket.grad_views
+    flags = torch.stack([views[i].any() for i in indices])
+
+    def decide(flags: torch.Tensor) -> None:
+        for i, any_rank_used in zip(indices, flags.tolist()):
+            if not any_rank_used:
+                bucket.unpublish_grad(i)
+    if host_reads is None:  # (the CPU path: the values are here)
+        decide(flags)
+    else:
+        host = copy_to_host(flags)
+        host_reads.after_sync(lambda: decide(host))
 
 
 def _run_all_reduce_hook(hook, pieces: list[torch.Tensor], post: float,
@@ -229,6 +265,25 @@ def _run_all_reduce_hook(hook, pieces: list[torch.Tensor], post: float,
     return list(output.split([p.numel() for p in pieces])), divisor
 
 
-def flat_numel(bucket: Bucket) -> int:
-    """Elements of the packed gradient buffer (and of every rank's gathered contribution)."""
-    return bucket.layout.world_size * bucket.shard_numel
+def flat_numel(bucket: Bucket, sent: list[int] | None = None) -> int:
+    """Elements of the packed gradient buffer (and of every rank's gathered contribution); with
+    `sent`, of those groups' blocks, what a reduction of only them sends."""
+    if sent is None:
+        return bucket.layout.world_size * bucket.shard_numel
+    return bucket.layout.world_size * sum(g.shard_numel for g in _groups(bucket.layout, sent))
+
+
+def groups_sent(layout, used: list[bool], ran: list[bool]) -> list[int] | None:
+    """The gather groups a synchronised reduction sends: those holding a parameter that got a
+    gradient or whose module ran since the last sync (None: all of them). A list unit's member
+    that ran in no use got no gradient on any rank (the ranks run the same program), so the
+    groups of its parameters alone are left out on every rank alike, as torch's FSDP2 leaves out
+    parameters without a gradient: torchtitan's chunked loss sends `lm_head` with the chunks and
+    `norm` with the decoder's backward, each once. A parameter whose module ran but got no
+    gradient may have one on another rank (a branch not taken here): it is sent, as zeros."""
+    sent = [gi for gi, g in enumerate(layout.groups) if any(used[i] or ran[i] for i in g.slots)]
+    return None if len(sent) == len(layout.groups) else sent
+
+
+def _groups(layout, sent: list[int] | None) -> list:
+    return layout.groups if sent is None else [layout.groups[i] for i in sent]

@@ -29,6 +29,7 @@ from .unit_state import Installed, TrainingState, move
 class ListUnit(Unit):
     def __init__(self, *args, **kwargs):
         self.members_to_run: set[int] = set()  # members yet to run in the open pass
+        self._ran: set[int] = set()             # the indices of those that ran in it
         super().__init__(*args, **kwargs)
 
     def _forward_hooks(self):
@@ -48,10 +49,19 @@ class ListUnit(Unit):
             return self._pre_forward(module, args, kwargs)
         if (self.pass_open and self.training_state is TrainingState.FORWARD
                 and self.params.installed is Installed.UNSHARDED):
+            self._ran.add(self._index_of(module))
             return cast_floating((args, kwargs), self._input_dtype())
         if not self.pass_open:
             self.members_to_run = {id(m) for m in self.members}
+            self._ran = set()  # a new set: the last pass's uses keep theirs (backward_uses.py)
+        self._ran.add(self._index_of(module))
         return self._pre_forward(module, args, kwargs)
+
+    def members_running(self) -> set[int]:
+        return self._ran
+
+    def _index_of(self, member) -> int:
+        return next(i for i, m in enumerate(self.members) if m is member)
 
     def _member_post_forward(self, module, args, kwargs, output):
         """The post-forward once every member ran; before that, each output gets the output

@@ -73,9 +73,8 @@ class Unit(UnitLifecycle, UnitSettings):
             member.register_forward_hook(torch.compiler.disable(post), with_kwargs=True))]
         # Submodules holding this unit's parameters say so when called while they are sharded
         # (outside the unit's forward), instead of failing with a shape error deep in torch.
-        # These hooks sit inside the unit's module, so a compiled block traces them: there the
-        # check is skipped (is_compiling() is constant in a trace), not a graph break, which
-        # compile(fullgraph=True) refuses; the eager run keeps it.
+        # A compiled block traces these hooks: there the check is skipped (is_compiling() is
+        # constant in a trace) rather than a graph break, which fullgraph=True refuses.
         holders = {id(m): m for b in self.buckets for s in b.slots for m, _ in s.locations}
         check = torch.compiler.disable(self._check_params_gathered)
 
@@ -283,6 +282,10 @@ class Unit(UnitLifecycle, UnitSettings):
         backward."""
         return (TrainingState.IDLE, *_BACKWARD)
 
+    def members_running(self) -> set | None:
+        """The indices of the members run in the open forward pass (None: one module)."""
+        return None
+
     def _input_dtype(self):
         return self.mp.param_dtype if self.mp.cast_forward_inputs else None
 
@@ -317,8 +320,10 @@ class Unit(UnitLifecycle, UnitSettings):
         begin_range("backward", self)
         return None
 
-    def post_backward(self, grads) -> None:
-        """Gradients of one backward use: reduce every trainable bucket, then free the unit."""
+    def post_backward(self, arrived) -> None:
+        """One backward use ran (its gradients summed with the earlier uses' of this backward; None
+        while a later use is still to run: backward_uses.py): free the unit, reduce each trainable
+        bucket."""
         move(self, "training_state", TrainingState.POST_BACKWARD, self._backward_from(),
              "post-backward")
         end_range("backward", self)
@@ -328,10 +333,11 @@ class Unit(UnitLifecycle, UnitSettings):
         if self.reshard_after_backward:
             self.reshard()
         self.params.install_sharded()
-        grads = iter(grads)
-        for i in self.params.grad_indices:
-            bucket = self.buckets[i]
-            reduce_bucket(self, bucket, [next(grads) for _ in bucket.slots])
+        if arrived is not None:
+            grads, ran = iter(arrived.grads), arrived.ran
+            for bucket in (self.buckets[i] for i in self.params.grad_indices):
+                reduce_bucket(self, bucket, [next(grads) for _ in bucket.slots],
+                              None if ran is None else [s.member in ran for s in bucket.slots])
         self.schedule.prefetch_backward(self, "post")
 
 

@@ -33,6 +33,7 @@ class UnitLifecycle:
             self.reshard()  # its gathered values may be stale by now
         unit_checks.check_params_unchanged(self)
         self.params.drop_chunks()  # kept by a forward whose backward never ran
+        self.params.uses.clear()
         for bucket in self.buckets:
             bucket.release_grad_shard_if_unused()
 

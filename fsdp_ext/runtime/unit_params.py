@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import dtensor_params, gather
+from .backward_uses import BackwardUses
 from .bucket import Bucket, set_module_param
 from .param_buckets import init_sharded_state
 from .unit_state import GATHERED, Installed, ShardedState, StateError, move
@@ -37,7 +38,7 @@ class _UnshardedViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.post_backward(grads)
+        ctx.unit.post_backward(ctx.unit.params.uses.arrived(ctx, grads))
         return (None,) * (1 + len(ctx.unit.params.grad_indices))
 
 
@@ -52,6 +53,7 @@ class UnitParams:
         self.installed = Installed.SHARDED
         self.in_flight: gather.InFlightGather | None = None
         self._no_grad_views: list[tuple[nn.Module, str, torch.Tensor]] | None = None
+        self.uses = BackwardUses()       # the forward uses whose backward is still to come
 
     def rename(self, name: str) -> None:
         self.name = name
@@ -125,8 +127,11 @@ class UnitParams:
             return
         views: dict[int, torch.Tensor] = {}
         if self.grad_indices:
-            flat_views = iter(_UnshardedViews.apply(
-                unit, *(self.buckets[i].full for i in self.grad_indices)))
+            applied = _UnshardedViews.apply(
+                unit, *(self.buckets[i].full for i in self.grad_indices))
+            if applied:
+                self.uses.add(applied[0].grad_fn, unit.members_running())
+            flat_views = iter(applied)
             for i in self.grad_indices:
                 for slot in self.buckets[i].slots:
                     views[id(slot)] = next(flat_views)
@@ -176,6 +181,7 @@ class UnitParams:
         failed step's; dropped, not applied."""
         for bucket in self.buckets:
             bucket.drop_gradient_state()
+        self.uses.clear()
 
     def params_replaced(self) -> None:
         """adopt_params gave the slots new parameter objects: install them."""

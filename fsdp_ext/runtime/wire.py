@@ -136,9 +136,11 @@ class ExactWire:
         """The dtype gradients are packed and reduced in (`dtype`: mixed precision's)."""
         return dtype
 
-    def reduce(self, flat: torch.Tensor, bucket, group, async_op: bool):
-        """Sum the packed gradients over `group`: (this rank's region of each group, works)."""
-        return comm.reduce_scatter_groups(flat, bucket.layout, group, async_op)
+    def reduce(self, flat: torch.Tensor, bucket, group, async_op: bool,
+               sent: list[int] | None = None):
+        """Sum the packed gradients over `group`: (this rank's region of each group, works);
+        `sent`: of those gather groups only (grads.groups_sent; None: all)."""
+        return comm.reduce_scatter_groups(flat, bucket.layout, group, async_op, sent)
 
 
 def targets(bucket, full: torch.Tensor, world: int) -> list[torch.Tensor]:

@@ -144,14 +144,17 @@ class QuantizedWire(ExactWire):
     def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.bfloat16 if self.policy.grad_reduce == "bf16" else dtype
 
-    def reduce(self, flat: torch.Tensor, bucket, group, async_op: bool):
+    def reduce(self, flat: torch.Tensor, bucket, group, async_op: bool,
+               sent: list[int] | None = None):
         if self.policy.grad_reduce != "int8" or group is None:
-            return super().reduce(flat, bucket, group, async_op)
+            return super().reduce(flat, bucket, group, async_op, sent)
         layout = bucket.layout
         world, rank = layout.world_size, layout.rank
         blocks = self._starts_of(bucket, flat.device)
         pieces, works = [], []
         for gi, g in enumerate(layout.groups):
+            if sent is not None and gi not in sent:
+                continue
             q = g.shard_numel
             packed = flat.narrow(0, world * g.shard_offset, world * q)
             piece = packed.narrow(0, rank * q, q)
