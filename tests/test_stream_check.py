@@ -339,6 +339,68 @@ def test_pipeline_syncs_once_per_step(plant):
     run_distributed(pipeline_worker, 4, plant, timeout_s=300.0)
 
 
+def _every_group_sent(original):
+    def groups_sent(layout, used, ran):
+        return None  # planted: a member that did not run is sent as zeros
+    return groups_sent
+
+
+def _tested_at_once(original):
+    def unpublish_unused(bucket, indices, host_reads):
+        for i in indices:  # planted: each one's zeros tested on the host at once
+            if not bucket.grad_views[i].any():
+                bucket.unpublish_grad(i)
+    return unpublish_unused
+
+
+def chunked_loss_worker(rank: int, world_size: int, plant: bool) -> None:
+    """torchtitan's chunked loss (tests/test_reduce_once.py's decoder: `[norm, lm_head]` one
+    list unit, `lm_head` run per chunk with a backward each) with an optimizer step, on the
+    side-stream path under the model: no stream-order problem, and from the second step on one
+    runtime host sync per step. `plant`: the member that did not run sent as zeros and their
+    test read on the host at once (grads.py before the gradients were reduced as torch reduces
+    them) must fail the count."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    import fsdp_ext
+    from fsdp_ext.runtime import grads
+    from .test_reduce_once import Decoder
+    steps = 3
+    with _patched(grads, "groups_sent", _every_group_sent if plant else None), \
+            _patched(grads, "_unpublish_unused", _tested_at_once if plant else None), \
+            stream_check() as model:
+        torch.manual_seed(0)
+        decoder = Decoder()
+        for module in (decoder.emb, decoder.body):
+            fsdp_ext.fully_shard(module)
+        fsdp_ext.fully_shard([decoder.norm, decoder.lm_head])
+        fsdp_ext.fully_shard(decoder)
+        opt = torch.optim.AdamW(decoder.parameters(), lr=1e-3)
+        loss_fn = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=2))
+        loss_fn.set_lm_head(decoder.lm_head)
+        for step in range(steps):
+            idx = torch.randint(0, Decoder.VOCAB, (2, 8),
+                                generator=torch.Generator().manual_seed(10 * step + rank))
+            loss, _ = loss_fn(decoder(idx), idx.roll(1, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    def check():
+        assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
+        runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
+        counts = [runtime.count(s) for s in range(1, steps + 1)]
+        assert counts[1:] == [1] * (steps - 1), (rank, counts, model.syncs.records)
+    _expect(plant, check)
+    dist.barrier()
+
+
+@pytest.mark.stream_check
+@pytest.mark.parametrize("plant", [False, True], ids=["as_is", "planted_zeros_tested"])
+def test_chunked_loss_syncs_once_per_step(plant):
+    run_distributed(chunked_loss_worker, 2, plant)
+
+
 # ---- 2. planted defects in the runtime ----------------------------------------------------------
 def _skip_event_wait(original):
     def wait(self):
@@ -360,9 +422,9 @@ def _hold_nothing(original):
 
 
 def _drop_accumulator(original):
-    def reduce_bucket(unit, bucket, grads):
+    def reduce_bucket(unit, bucket, grads, ran=None):
         accumulator = bucket.grads.unsharded_accumulator
-        original(unit, bucket, grads)
+        original(unit, bucket, grads, ran)
         if accumulator is not None and unit.requires_gradient_sync:
             pending = unit.schedule.pending_reduce_scatters[-1].pending
             pending.keep_alive[:] = [t for t in pending.keep_alive if t is not accumulator]

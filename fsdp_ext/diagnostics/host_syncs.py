@@ -292,6 +292,26 @@ class SyncCalls(TorchFunctionMode):
         return "to(device) from " + ("pageable" if non_blocking else "host") + " memory"
 
 
+# Ops that read device values on the host, as the dispatch mode sees them.
+_DISPATCHED_READS = {"aten::_local_scalar_dense": "item/bool", "aten::equal": "equal",
+                     "aten::is_nonzero": "is_nonzero", "aten::nonzero": "nonzero",
+                     "aten::masked_select": "masked_select", "aten::_unique2": "unique",
+                     "aten::unique_consecutive": "unique_consecutive"}
+
+
+def unseen_read(counter: HostSyncCounter, func, args) -> str | None:
+    """For the dispatch mode: a host read of a device value that SyncCalls cannot see. Torch
+    function modes are off while autograd runs a backward (its custom functions' backwards, tensor
+    hooks and end-of-backward callbacks: the runtime's post-backward and gradient path), but
+    dispatch modes stay on, so there the reads are judged by the ops they dispatch. (`.tolist()`
+    and `.cpu()` of a CPU tensor dispatch none: inside a backward the model cannot see them.)"""
+    kind = _DISPATCHED_READS.get(func._schema.name)
+    if (kind is None or torch._C._current_graph_task_id() == -1
+            or torch._C._is_torch_function_mode_enabled()):
+        return None
+    return f"{kind} (in backward)" if counter.on_device(args[:1]) else None
+
+
 def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | None:
     """For the dispatch mode: `dst.copy_(src)` between host and device memory waits unless it is
     non-blocking and its host side is pinned."""

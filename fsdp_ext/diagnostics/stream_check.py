@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..runtime import streams
-from .host_syncs import HostSyncCounter, SyncCalls, copy_blocks
+from .host_syncs import HostSyncCounter, SyncCalls, copy_blocks, unseen_read
 
 HOST = "host"
 SMALL_POOL_BYTES = 1 << 20  # the caching allocator serves allocations up to 1 MiB from a separate pool
@@ -399,6 +399,8 @@ class _OpAccesses(TorchDispatchMode):
         fresh_outputs = not func._schema.is_mutable and not _aliases_input(func)
         tensors = reads + writes + shaped_by
         if not tensors:  # a factory (empty, arange, full, ...), or an op on 0-dim tensors only
+            if kind := unseen_read(model.syncs, func, args):  # (`bool(t.any())` in a backward)
+                model.syncs.record(kind)
             result = func(*args, **kwargs)
             scalars = [t for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor) and t.dim() == 0]
@@ -429,7 +431,8 @@ class _OpAccesses(TorchDispatchMode):
             model.access(t, stream, tick, "read", op, stack)
         for t in writes:
             model.access(t, stream, tick, "write", op, stack)
-        if not host and (kind := copy_blocks(model.syncs, func, args, kwargs, model)):
+        if not host and (kind := copy_blocks(model.syncs, func, args, kwargs, model)
+                         or unseen_read(model.syncs, func, args)):
             model.syncs.record(kind, stream)
         result = func(*args, **kwargs)
         if fresh_outputs:
