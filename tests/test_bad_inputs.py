@@ -90,6 +90,24 @@ def check_parameter_dtypes(rank: int, world_size: int) -> None:
     # torch itself refuses the other half: an integer parameter that requires grad.
     with pytest.raises(RuntimeError, match=r"Only Tensors of floating point"):
         nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=True)
+    # A cast after sharding (torch's FSDP2 casts the shards) is refused at the call, naming the
+    # parameter and the alternatives, and leaves the model as it was: it trains on.
+    model = _shard(_mlp())
+    x = local_slice(_batch(world_size), rank, world_size)
+    _loss(model, x).backward()  # (the root has named its units)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.double(), lambda m: m.half()):
+        with pytest.raises(NotImplementedError, match=r"parameter '1\.weight' of unit '<root>' "
+                                                      r"\(Sequential\) would change dtype "
+                                                      r".*MixedPrecisionPolicy\(param_dtype"):
+            cast(model)
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32 and torch.equal(param.to_local(), before[name]), name
+    model.zero_grad()
+    reference = _mlp()
+    _loss(model, x).backward()
+    _loss(reference, _batch(world_size)).backward()
+    _assert_grads_match(model, reference)
 
 
 def check_groups_and_mesh(rank: int, world_size: int) -> None:
@@ -204,6 +222,10 @@ def check_optimizer_mismatch(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is parameter "
                                          r"'0\.0\.weight' as it was before fully_shard"):
         fsdp_ext.check_optimizer(early, opt)
+    _loss(early, _batch(world_size)).backward()  # (the first forward names the units)
+    with pytest.raises(ValueError, match=r"AdamW\.step\(\): param_groups\[0\]\['params'\]\[0\] is "
+                                         r"parameter '0\.0\.weight' \(Linear\.weight\) as it was"):
+        opt.step()
     # FullyShardedDataParallel keeps the parameter objects (FSDP1's flat views): an optimizer that
     # stepped before wrapping holds full-shape state.
     early = _mlp()

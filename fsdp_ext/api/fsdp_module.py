@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from ..runtime import comm, process_groups
+from ..runtime.adopt import refuse_cast
 from ..runtime.forward_methods import run_method
 from ..runtime.registry import UNIT_ATTR, unit_of
 from ..runtime.schedule_options import ScheduleOptions
@@ -275,7 +276,9 @@ class FSDPModule(_TorchFSDPModule):
 
     def _apply(self, *args, **kwargs):
         """nn.Module._apply (`to_empty`, `to`, ...) gives the modules new parameter tensors: the
-        unit copies them into its shard (allocating it if it was on meta) and points them back."""
+        unit copies them into its shard (allocating it if it was on meta) and points them back.
+        A cast to another dtype is refused first, for every unit below (runtime/adopt.py)."""
+        refuse_cast(_units_under(self, recurse=True), args[0] if args else kwargs["fn"])
         self._unit.reshard()
         result = nn.Module._apply(self, *args, **kwargs)
         self._unit.adopt_params()
