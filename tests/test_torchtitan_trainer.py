@@ -8,6 +8,7 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
   run's steps 3-4 agree bitwise with the uninterrupted runs' (both directions);
 - as many gradient reductions as torch's, sending as many elements, with the chunked loss and
   with DeepSeek V3's multi-token prediction (its embedding and head used twice per forward);
+- the same with every transformer block compiled (`compile(fullgraph=True)`, aot_eager);
 - the same at world 4 with tensor parallelism 2, on its default backend and on full_dtensor;
 - the same with pipeline parallelism 2 at world 4 (1F1B with a checkpoint resumed across
   implementations, Interleaved1F1B);
@@ -95,6 +96,20 @@ def test_torchtitan_trainer_multi_token_prediction_matches_torch_fsdp2(tmp_path)
            "--training.seq_len", "128", "--training.local_batch_size", "2",
            "--training.disable_cuda_graphs", "--debug.seed", "42"]
     _both(tmp_path, assets, ["--training.steps", "3"], 3, same_reductions=True, base=mtp)
+
+
+@pytest.mark.slow
+@pytest.mark.essential
+def test_torchtitan_trainer_compiled_blocks_match_torch_fsdp2(tmp_path):
+    """`--compile.enable --compile.components model`: torchtitan compiles each transformer
+    block with `fullgraph=True` (a graph break inside a block would raise), here with aot_eager
+    (its FlexAttention region too: titan_cpu's shim). Bitwise equal to torch's FSDP2, with as
+    many gradient reductions and elements sent."""
+    assets = make_assets(str(tmp_path / "assets"))
+    compiled = ["--training.steps", "3", "--compile.enable", "--compile.components", "model",
+                "--compile.backend", "aot_eager"]
+    _both(tmp_path, assets, compiled, 3, logged="Compiling each TransformerBlock",
+          same_reductions=True)
 
 
 @pytest.mark.slow

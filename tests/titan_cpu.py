@@ -188,6 +188,16 @@ def apply_cpu_shims() -> None:
     _force_sum_reduction_on_gloo()
     _uneven_all_to_all_on_gloo()
     _no_sleep_at_the_end()
+    _flex_attention_compiled_as_the_rest()
+
+
+def _flex_attention_compiled_as_the_rest() -> None:
+    """Under `--compile.backend aot_eager` torchtitan lowers the FlexAttention region of each
+    compiled block with inductor (regional_inductor), whose flex lowering fails on CPU ("tuple
+    index out of range", torch's FSDP2 and fsdp_ext alike). The region is left to the chosen
+    backend instead: aot_eager traces the CPU attention above like the rest of the block."""
+    import torchtitan.distributed.compile as tt_compile
+    tt_compile._maybe_regional_inductor_backend = lambda model, backend: backend
 
 
 def _no_sleep_at_the_end() -> None:
