@@ -15,7 +15,7 @@ help: ## this list (also what a bare `make` prints)
 	@echo "Settings: NPROC=$(NPROC) (compile jobs), FSDP_EXT_CUDA=auto|0|1 (CUDA kernels), SLOW_BUDGET_S, ESSENTIAL_BUDGET_S, SOAK_STEPS; README.md and docs/testing.md say more."
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
-	@echo "== set-up 1/2: $(VENV) with $(TORCH) (5.5 GB) and the test and example dependencies (about 2 minutes on a fresh machine)"
+	@echo "== set-up 1/2: $(VENV) with $(TORCH) (5.5 GB with its CUDA libraries; 6.5 GB in all) and the test and example dependencies (about 2 minutes on idle cores, pip's cache warm)"
 	@start=$$(date +%s); \
 	$(PY) -m venv $(VENV) && \
 	$(VPY) -m pip install -q --upgrade pip && \
@@ -100,7 +100,7 @@ cuda-check: venv ## compile-checks csrc/cuda/*.cu with nvcc (no GPU needed)
 gpu-check: build ## on a CUDA machine: kernels, NCCL runtime, main job, GPU benchmarks (else says so)
 	$(VPY) tools/gpu_check.py
 
-# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), about 1 minute once built.
+# The main job: a GPT trained with fsdp_ext on 2 CPU ranks (gloo), 58 s on 2 idle cores once built.
 train: build ## the main job: a GPT trained with fsdp_ext on 2 CPU ranks, profiled, into out/train
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train.py --profile --out-dir out/train
 

@@ -4,8 +4,10 @@ Every function that gathers is called by all ranks; only rank 0 prints.
 """
 from __future__ import annotations
 
+import os
 import resource
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,13 +32,27 @@ def gather_floats(values: list[float], device: torch.device) -> list[list[float]
 
 
 def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar on rank 0; without tqdm installed, a line per update instead."""
+    """A tqdm bar on rank 0, as wide as the terminal (it follows a resize); without tqdm
+    installed, a line per update instead."""
     try:
         from tqdm import tqdm
     except ImportError:
         return _Lines(total, initial, enabled)
+    # A terminal that reports a size of 0 (some containers' and CI consoles do): tqdm would trim
+    # every line to nothing, so the bar takes a fixed 80 columns (and tqdm's default 20 rows).
+    fixed = _reports_no_size(sys.stderr)
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
-                dynamic_ncols=True, mininterval=1.0)
+                dynamic_ncols=not fixed, ncols=80 if fixed else None,
+                nrows=20 if fixed else None, mininterval=1.0)
+
+
+def _reports_no_size(stream) -> bool:
+    """Whether `stream` is a terminal whose reported size has no room for a line."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # not a terminal: tqdm writes whole lines
+        return False
+    return size.columns < 2 or size.lines < 2
 
 
 def write(message: str) -> None:

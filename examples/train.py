@@ -112,6 +112,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def checked_args(argv=None) -> argparse.Namespace:
+    """The flags, parsed and checked (argument_problems) for the launch torchrun describes, before
+    any process-group work. A mistake is printed once, by rank 0, with the usage, and rank 0
+    exits with argparse's status 2, without a traceback; torchrun then reports it failed, as it
+    does for any worker that exits nonzero. The other ranks (every rank runs this) exit quietly
+    with status 0: one that failed first would make torchrun end rank 0 before it printed."""
+    parser = build_parser()
+    quiet = os.environ.get("RANK", "0") != "0"
+    with contextlib.ExitStack() as stack:
+        if quiet:  # --help and mistakes: rank 0 speaks for every rank
+            devnull = stack.enter_context(open(os.devnull, "w"))
+            stack.enter_context(contextlib.redirect_stdout(devnull))
+            stack.enter_context(contextlib.redirect_stderr(devnull))
+        try:
+            args = parser.parse_args(argv)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            if problems := argument_problems(args, world, local_world):
+                parser.error("; ".join(problems))
+        except SystemExit as exc:
+            raise SystemExit(0 if quiet else exc.code) from None
+    return args
+
+
+def argument_problems(args, world: int, local_world: int) -> list[str]:
+    """What is wrong with `args` for `world` ranks, `local_world` of them per node ([]: nothing):
+    each mistake that would otherwise fail after the process group is up, or deep in a step."""
+    problems = [f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})"
+                for name in ("n_layer", "d_model", "n_head", "block_size", "batch_size",
+                             "grad_accum", "steps", "log_every", "experts")
+                if getattr(args, name) < 1]
+    if args.n_head >= 1 and args.d_model % args.n_head:
+        problems.append(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
+    if args.model == "moe" and args.api != "fully_shard":
+        problems.append("--model moe runs with --api fully_shard (torchtitan's FSDP2 calls)")
+    problems += expert_parallel_problems(args, world)
+    if args.sharding_strategy == "HYBRID_SHARD" and world % local_world:
+        problems.append(f"--sharding-strategy HYBRID_SHARD needs the same ranks on every node "
+                        f"(got {world} ranks, {local_world} on this one)")
+    try:
+        comm_policy(args.comm_policy)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"--comm-policy {args.comm_policy}: {exc}")
+    for flag, given in (("--resume", args.resume), ("--save-every", args.save_every),
+                        ("--async-save", args.async_save)):
+        if given and not args.checkpoint_dir:
+            problems.append(f"{flag} needs --checkpoint-dir")
+    if args.data is not None and not os.path.isfile(args.data):
+        problems.append(f"--data {args.data}: no such file")
+    return problems
+
+
 def init_distributed() -> torch.device:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python train.py` runs as one rank."""
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -140,9 +192,6 @@ def shard(model: GPT | MoEDecoder, args, device: torch.device):
     """Each transformer block is a unit, the root holds the embeddings (tied to the output layer);
     the MoE decoder's units are those of torchtitan's apply_fsdp_to_decoder (shard_moe)."""
     bf16 = args.mixed_precision == "bf16"
-    if args.model == "moe" and args.api != "fully_shard":
-        raise SystemExit("--model moe runs with --api fully_shard (torchtitan's FSDP2 calls)")
-    check_expert_parallel(args, dist.get_world_size())
     policy = comm_policy(args.comm_policy)
     strategy = args.sharding_strategy
     if args.api == "fsdp1":
@@ -174,11 +223,12 @@ def shard(model: GPT | MoEDecoder, args, device: torch.device):
     return fsdp_ext.fully_shard(model, **kwargs)
 
 
-def check_expert_parallel(args, world: int) -> None:
-    """Refuse an --ep that cannot work: it needs the MoE model, fully_shard's FULL_SHARD (the
-    experts' own FSDP mesh is 1-D), and a degree dividing both the world and the expert count."""
+def expert_parallel_problems(args, world: int) -> list[str]:
+    """What an --ep that cannot work lacks ([]: nothing): it needs the MoE model, fully_shard's
+    FULL_SHARD (the experts' own FSDP mesh is 1-D), and a degree dividing both the world and the
+    expert count."""
     if args.ep == 1:
-        return
+        return []
     problems = []
     if args.ep < 1:
         problems.append("a degree of at least 1")
@@ -191,8 +241,7 @@ def check_expert_parallel(args, world: int) -> None:
         problems.append(f"a world size it divides (got {world} ranks)")
     if args.ep > 1 and args.experts % args.ep:
         problems.append(f"an expert count it divides (got --experts {args.experts})")
-    if problems:
-        raise SystemExit(f"--ep {args.ep} needs " + "; ".join(problems))
+    return [f"--ep {args.ep} needs " + "; ".join(problems)] if problems else []
 
 
 def shard_moe(model: MoEDecoder, args, kwargs: dict, device: torch.device) -> MoEDecoder:
@@ -338,7 +387,7 @@ def model_label(args) -> str:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = checked_args(argv)  # before any process-group work
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank

@@ -9,6 +9,9 @@ SIGKILLs itself there (kill), calls os._exit in that block's backward (exit), or
 (raise), or leaves its training loop before that step and ends normally (leave); before that
 step's forward it SIGKILLs itself (kill_before_forward) or sleeps forever (sleep_before_forward):
 with --fail-step 0, before the first all-gather. The other ranks run the script unchanged.
+Mode late_rank0 makes rank 0 instead (the store's host, as when it loads a checkpoint alone)
+sleep --late-s seconds before the first forward, then go on; --default-timeout-s stands in for
+the 300 s default collective timeout, so that the case runs in seconds.
 Mode unpadded_hook gives every rank the same bug instead: the head's weight (in the root unit,
 gathered first; 4 rows, uneven over 3 ranks) is a tensor subclass whose fsdp_pre_all_gather
 returns the unpadded local rows, so at world 3 the last rank (the padded one) raises at the first
@@ -87,17 +90,22 @@ def main() -> None:
     parser.add_argument("--mode", default="none",
                         choices=["none", "sleep", "kill", "exit", "raise", "leave",
                                  "kill_in_save", "kill_before_forward", "sleep_before_forward",
-                                 "unpadded_hook"])
+                                 "unpadded_hook", "late_rank0"])
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--fail-step", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--pg-timeout-s", type=float, default=600.0)
+    parser.add_argument("--late-s", type=float, default=0.0)
+    parser.add_argument("--default-timeout-s", type=float, default=None)
     args = parser.parse_args()
 
     import torch.distributed as dist
 
     import fsdp_ext
+    if args.default_timeout_s is not None:
+        from fsdp_ext.runtime import comm
+        comm.DEFAULT_TIMEOUT_S = args.default_timeout_s
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # A long process-group timeout: whatever ends the survivors sooner is fsdp_ext's doing.
@@ -125,6 +133,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.fail_step and failing and args.mode == "sleep_before_forward":
             time.sleep(3600)
+        if step == 0 and rank == 0 and args.mode == "late_rank0":
+            time.sleep(args.late_s)
         if step == args.fail_step and failing and args.mode in ("sleep", "kill", "exit", "raise"):
             _inject(model[1], args.mode)
         x, y = (t[rank * per_rank:(rank + 1) * per_rank] for t in make_batch(step))

@@ -364,6 +364,47 @@ def test_rank_failing_before_the_first_all_gather_is_named(mode, how):
     assert how in survivor.output, survivor.output[-3000:]
 
 
+LATE_MEET = ("cannot create the issue thread's process group (made at the root's first forward) "
+             "over ranks [0, 1]: ")
+PG_BOUND = "the process group's timeout; collective_timeout not set"
+
+
+@pytest.mark.slow
+@pytest.mark.essential
+def test_rank_late_to_the_first_forward_is_waited_for_as_torch_waits():
+    """Rank 0 loads alone (sleeps 6 s) before the first forward; the default collective timeout
+    (300 s, 2 s here) is not set by the user: the others wait for it as torch's first collective
+    would, up to the process group's timeout (600 s), and every rank trains. (They used to raise
+    once the default bound had passed.)"""
+    args = ["tests/fault_script.py", "--mode", "late_rank0", "--late-s", "6",
+            "--default-timeout-s", "2", "--steps", "2"]
+    with Ranks(args, 2) as ranks:
+        results = ranks.wait([0, 1], DEADLINE_S)
+    for result in results.values():
+        assert result.returncode == 0 and "DONE" in result.output, result.output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.essential
+def test_rank_later_than_the_process_group_timeout_hears_the_others_gave_up():
+    """Rank 0 is later than the process group's timeout (4 s): rank 1 gives up after it, naming
+    rank 0 and the 4 s; rank 0, when it arrives, says rank 1 gave up waiting for it (it used to
+    say that every member had arrived and a connection broke)."""
+    args = ["tests/fault_script.py", "--mode", "late_rank0", "--late-s", "12",
+            "--pg-timeout-s", "4"]
+    with Ranks(args, 2) as ranks:
+        results = ranks.wait([0, 1], DEADLINE_S)
+    waiter, late = results[1], results[0]
+    assert waiter.returncode not in (None, 0), waiter.output[-3000:]
+    assert (f"CollectiveError: rank 1: {LATE_MEET}rank(s) [0] did not arrive (dead, stuck, or "
+            f"running other code) within 4 s ({PG_BOUND}); every member makes it at the same "
+            "point; to wait longer, give init_process_group a longer timeout or set "
+            "collective_timeout") in waiter.output, waiter.output[-3000:]
+    assert late.returncode not in (None, 0), late.output[-3000:]
+    assert (f"CollectiveError: rank 0: {LATE_MEET}this rank arrived after the others gave up "
+            f"waiting for it (rank 1 waited 4 s: {PG_BOUND})") in late.output, late.output[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.essential
 def test_one_rank_error_at_the_first_all_gather_ends_every_rank():
@@ -387,26 +428,33 @@ def late_member_worker(rank: int, world_size: int) -> None:
     """process_groups.meet, the wait before every group the runtime creates, on gloo (a barrier)
     and as on other backends (the store, polled): members that all arrive pass; a member later
     than the bound is named by the others, and raises itself when it arrives instead of waiting
-    in the creation for the ones that gave up."""
-    from fsdp_ext.runtime import process_groups
+    in the creation for the ones that gave up. Left at its default, the bound is the group's own
+    timeout."""
+    from fsdp_ext.runtime import comm, process_groups
     bound = datetime.timedelta(seconds=2)
     get_backend = dist.get_backend
     for backend in ("gloo", "nccl"):
         parent = dist.new_group(list(range(world_size)))
         dist.get_backend = lambda group=None: backend  # (the store path runs on gloo groups too)
         try:
-            process_groups.meet(parent, bound, "a test group")
+            process_groups.meet(parent, bound, "create a test group")
             if rank == world_size - 1:
                 time.sleep(4)
-                expected = "this rank arrived after the others' collective_timeout of 2 s"
+                expected = ("this rank arrived after the others gave up waiting for it (rank 0 "
+                            "waited 2 s: collective_timeout)")
             else:
                 expected = (f"rank(s) [{world_size - 1}] did not arrive (dead, stuck, or running "
                             "other code) within 2 s (collective_timeout)")
             with pytest.raises(fsdp_ext.CollectiveError, match=re.escape(
                     f"rank {rank}: cannot create a test group: {expected}")):
-                process_groups.meet(parent, bound, "a test group")
+                process_groups.meet(parent, bound, "create a test group")
         finally:
             dist.get_backend = get_backend
+    # The default bound (nobody set one) gives way to the group's own timeout (3 s here).
+    parent = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=3))
+    if rank == world_size - 1:
+        time.sleep(1.5)
+    process_groups.meet(parent, comm.DefaultTimeout(seconds=0.5), "create a test group")
     dist.barrier()
 
 
@@ -414,6 +462,34 @@ def late_member_worker(rank: int, world_size: int) -> None:
 @pytest.mark.essential
 def test_late_member_at_group_creation_is_named_on_both_sides():
     run_distributed(late_member_worker, 2)
+
+
+def root_timeout_worker(rank: int, world_size: int) -> None:
+    """FSDP_EXT_COLLECTIVE_TIMEOUT_S=1 on every rank, and the root's collective_timeout=0, which
+    applies to the whole model: the last rank comes 3 s late to its blocks' fully_shard
+    (reshard_after_forward=2) and 3 s late to the first forward, and nobody raises. (The blocks'
+    post-forward groups used to be made in their own fully_shard, under the 1 s bound.)"""
+    from fsdp_ext.runtime.registry import unit_of
+    os.environ["FSDP_EXT_COLLECTIVE_TIMEOUT_S"] = "1"
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+    late = rank == world_size - 1
+    time.sleep(3 if late else 0)
+    for layer in model:
+        fsdp_ext.fully_shard(layer, reshard_after_forward=2)
+    fsdp_ext.fully_shard(model, collective_timeout=0)
+    time.sleep(3 if late else 0)
+    for _ in range(2):  # the second step regathers each block from its post-forward group
+        model(torch.randn(2, 8)).sum().backward()
+    post_forward = unit_of(model[0]).groups.post_forward
+    assert dist.get_process_group_ranks(post_forward) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.essential
+def test_root_collective_timeout_reaches_the_blocks_group_creation():
+    run_distributed(root_timeout_worker, 4)
 
 
 def _reference_losses(steps: int) -> list[float]:

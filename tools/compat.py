@@ -371,6 +371,15 @@ DIFFERENCES = [
     "`FullyShardedDataParallel.named_parameters()`/`named_buffers()` give the unwrapped model's "
     "names always; torch's FSDP1 strips `_fsdp_wrapped_module.` only inside "
     "`summon_full_params`.",
+    "A rank that reaches the model's first forward late (loading a checkpoint alone) is waited "
+    "for as torch's first collective waits, up to the process group's timeout, unless "
+    "`collective_timeout` is set (then up to it). Past that the others each raise a "
+    "CollectiveError naming it and how long they waited, and the late rank, when it arrives, "
+    "one saying they gave up waiting for it; torch's ranks each fail with the backend's timeout "
+    "error, naming no rank (`test_reliability.py::"
+    "test_rank_later_than_the_process_group_timeout_hears_the_others_gave_up`). The root's "
+    "`collective_timeout` also bounds the creation of its blocks' `reshard_after_forward=k` "
+    "groups, made at its first forward.",
     "Found while testing against torch 2.14.1 on CPU/gloo: its FSDP1 `optim_state_dict` files "
     "optimizer states under other parameters' names for the test GPT (so resumed runs "
     "diverge), and its HYBRID_SHARD with a shard group of size 1 drifts from the single-"

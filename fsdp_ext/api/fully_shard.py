@@ -12,7 +12,7 @@ from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
 from ..runtime import comm, env, process_groups, storage_cache, streams
 from ..runtime.comm_policy import check_policy
-from ..runtime.registry import UNIT_ATTR, unit_of
+from ..runtime.registry import UNIT_ATTR, name_replaced_from, unit_of
 from . import pipelining
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.list_unit import ListUnit
@@ -45,8 +45,10 @@ def _device_for(module: nn.Module, mesh_device_type: str | None, offload: bool) 
     return next(iter(devices)) if devices else torch.device("cpu")
 
 
-def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward,
-                 timeout) -> comm.Groups:
+def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward) -> comm.Groups:
+    """The unit's groups; a post-forward group (`reshard_after_forward=k`) is only checked here,
+    and made at the root's first forward, under the root's collective_timeout
+    (process_groups.make_issue_thread_groups)."""
     shard = replicate = None
     if mesh is not None:
         of_mesh = comm.Groups.of_mesh(mesh, device)
@@ -58,16 +60,16 @@ def _groups_from(mesh, process_group, device: torch.device, reshard_after_forwar
     elif dist.is_available() and dist.is_initialized():
         shard = dist.group.WORLD
     single_process = not (dist.is_available() and dist.is_initialized())  # (a mesh needs one)
-    post_forward, k, requested = None, 1, 1
+    k, requested = 1, 1
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         if reshard_after_forward < 1:
             raise ValueError(f"reshard_after_forward={reshard_after_forward} must be >= 1")
         requested = reshard_after_forward
         if 1 < reshard_after_forward < (dist.get_world_size(shard) if shard is not None else 1):
             k = reshard_after_forward
-            post_forward = process_groups.post_forward_group(shard, k, timeout)
-    return comm.Groups.over(device, shard, replicate, post_forward=post_forward,
-                            post_forward_size=k, requested_post_forward=requested,
+            process_groups.check_post_forward(shard, k)
+    return comm.Groups.over(device, shard, replicate, post_forward_size=k,
+                            requested_post_forward=requested,
                             single_process=single_process)
 
 
@@ -122,10 +124,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         forward_prefetch / backward_prefetch: how many units ahead to all-gather (read by the root).
         limit_in_flight: keep at most max(depth) + 1 transient units unsharded.
         collective_timeout: seconds a rank waits on one of this root's collectives before raising
-            CollectiveError naming the unit (read by the root; default: the environment variable
-            FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s; 0: only the process group's timeout). It
-            also bounds the wait for the other ranks where a process group is created: this
-            call's own (reshard_after_forward=k) and, the root's, those of its first forward.
+            CollectiveError naming the unit (read by the root, for its whole model; default:
+            the environment variable FSDP_EXT_COLLECTIVE_TIMEOUT_S, else 300 s; 0: only the
+            process group's timeout). It also bounds the wait for the other ranks where the root's
+            first forward creates process groups (reshard_after_forward=k's among them); left
+            unset, that first wait is the process group's own timeout, as torch's first
+            collective waits (a rank may be loading a checkpoint alone).
         check_finite_grads: raise NonFiniteGradientError naming the unit, parameter and rank as
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
@@ -208,9 +212,7 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
     storage_cache.set_enabled(environment.storage_cache)
     streams.set_side_stream_delay(environment.side_stream_delay_cycles)
     reshard_after_forward = config.reshard_after_forward
-    groups = _groups_from(mesh, process_group, device, reshard_after_forward,
-                          comm.collective_timeout(config.schedule.collective_timeout,
-                                                  environment.collective_timeout))
+    groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1
@@ -224,6 +226,7 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
         reshard_after_forward=reshard_after_forward, check_finite_grads=check_finite_grads,
         comm_policy=comm_policy)
     unit = (ListUnit if len(members) > 1 else Unit)(members, config)
+    name_replaced_from(unit)  # an optimizer built before this call names them in the model
     for member in members:
         member.__dict__[UNIT_ATTR] = unit
         install_state_dict_hooks(member)

@@ -14,7 +14,8 @@ class Groups:
 
     shard: ranks that each hold 1/shard_size of the unit (None: one rank, nothing to gather).
     replicate: ranks holding the same shard; gradients are all-reduced over them (HSDP, NO_SHARD).
-    post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward.
+    post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward
+        (made at the root's first forward: process_groups.make_issue_thread_groups).
     """
 
     device: torch.device
@@ -48,6 +49,9 @@ class Groups:
                              f"{mesh.ndim}-D")
         return cls.over(device, mesh.get_group(mesh.ndim - 1),
                         mesh.get_group(0) if mesh.ndim == 2 else None)
+
+    def set_post_forward(self, group: dist.ProcessGroup | None) -> None:
+        self.post_forward = group
 
     def set_separate_reduce_scatter(self, group: dist.ProcessGroup | None) -> None:
         self.separate_reduce_scatter = group

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from . import comm, dtensor_params, process_groups
+from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
@@ -46,18 +46,14 @@ def build_unit_buckets(members: list[nn.Module], config):
                                         groups.device) if layout == "rows" else None)
     direct_min_numel = (config.direct_min_numel or config.env.direct_min_numel
                         or DIRECT_MIN_NUMEL)
-    timeout = comm.collective_timeout(config.schedule.collective_timeout,
-                                      config.env.collective_timeout)
     buckets = build_buckets(members, groups, layout, mesh, direct_min_numel,
-                            config.ignored_params, config.shard_placement_fn, timeout,
-                            config.storage_axes)
+                            config.ignored_params, config.shard_placement_fn, config.storage_axes)
     return mesh, buckets
 
 
 def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, mesh,
                   direct_min_numel: int, ignored: set[int] = frozenset(),
-                  shard_placement_fn=None, timeout=None,
-                  storage_axes=None) -> list[Bucket]:
+                  shard_placement_fn=None, storage_axes=None) -> list[Bucket]:
     """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
     ids) by (mesh, dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`,
     rows are DTensors on it, each sharded along the dim, and over the mesh, that
@@ -91,7 +87,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
     for slot in slots:
         mark_owner(slot.param, f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
     buckets = []
-    bucket_groups = {key: _own_groups(m, groups, timeout, first_on[key])
+    bucket_groups = {key: _own_groups(m, groups, first_on[key])
                      for key, m in meshes.items()}
     for (mesh_key, dtype, requires_grad, extension), bucket_slots in by_key.items():
         on = bucket_groups.get(mesh_key, groups)
@@ -116,7 +112,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
     return buckets
 
 
-def _own_groups(mesh, unit_groups: comm.Groups, timeout, where: str) -> comm.Groups:
+def _own_groups(mesh, unit_groups: comm.Groups, where: str) -> comm.Groups:
     """The groups of a parameter's own mesh, with the unit's `reshard_after_forward=k` applied to
     its shard group as torch applies it per mesh: k must divide that mesh's shard size, and k
     equal to it keeps this rank's own shard as its post-forward chunk (regathered over the
@@ -128,8 +124,9 @@ def _own_groups(mesh, unit_groups: comm.Groups, timeout, where: str) -> comm.Gro
     if own.shard_size % k:
         raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
                          f"shard ranks, which reshard_after_forward={k} does not divide")
-    post_forward = (own.shard if k == own.shard_size
-                    else process_groups.post_forward_group(own.shard, k, timeout))
+    # k below the mesh's size: its group is made at the root's first forward
+    # (process_groups.make_issue_thread_groups), under the root's collective_timeout.
+    post_forward = own.shard if k == own.shard_size else None
     return replace(own, post_forward=post_forward, post_forward_size=k)
 
 

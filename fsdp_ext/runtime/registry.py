@@ -12,23 +12,40 @@ from torch import nn
 UNIT_ATTR = "_fsdp_ext_unit"
 
 # The nn.Parameters that fully_shard replaced with DTensor parameters, by id -> (weak reference,
-# (module class, attribute, name in its unit)). Weak: an original lives on only while something
-# else (an optimizer built before fully_shard) holds it, which diagnostics/optim_check.py looks
-# for at a step. Keyed by id, not by tensor: a WeakKeyDictionary compares keys with the tensors'
-# elementwise ==.
-_replaced: dict[int, tuple[weakref.ref, tuple[str, str, str]]] = {}
+# (module class, attribute, name in its unit), None or weak references to (its unit, its slot)).
+# Weak: an original lives on only while something else (an optimizer built before fully_shard)
+# holds it, which diagnostics/optim_check.py looks for at a step. Keyed by id, not by tensor: a
+# WeakKeyDictionary compares keys with the tensors' elementwise ==.
+_replaced: dict[int, tuple[weakref.ref, tuple[str, str, str], tuple | None]] = {}
 
 
 def record_replaced(param, where: tuple[str, str, str]) -> None:
     """Remember that fully_shard replaced `param` (until `param` is freed)."""
     key = id(param)
-    _replaced[key] = (weakref.ref(param, lambda _ref: _replaced.pop(key, None)), where)
+    _replaced[key] = (weakref.ref(param, lambda _ref: _replaced.pop(key, None)), where, None)
+
+
+def name_replaced_from(unit) -> None:
+    """The parameters `unit` replaced are named by it from now on (Unit.param_name): by their
+    name in the model once the root has named the units ('0.weight'), not only in the unit's
+    module ('weight'), which is all that is known where they are replaced."""
+    for bucket in unit.buckets:
+        for slot in bucket.slots:
+            original = slot.replaced()
+            entry = _replaced.get(id(original)) if original is not None else None
+            if entry is not None and entry[0]() is original:
+                _replaced[id(original)] = (*entry[:2], (weakref.ref(unit), weakref.ref(slot)))
 
 
 def replaced_where(param) -> tuple[str, str, str] | None:
     """(module class, attribute, name) of a parameter fully_shard replaced, else None."""
     entry = _replaced.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+    if entry is None or entry[0]() is not param:
+        return None
+    owner, attr, name = entry[1]
+    unit, slot = (ref() for ref in entry[2]) if entry[2] is not None else (None, None)
+    return owner, attr, (unit.param_name(slot) if unit is not None and slot is not None
+                         else name)
 
 
 def unit_of(module: nn.Module):
