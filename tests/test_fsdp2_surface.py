@@ -106,6 +106,29 @@ def check_unshard_and_reshard(rank, world):
     assert abs(l_o - l_t) < 1e-5, (l_o, l_t)
 
 
+def check_gathered_parameters_are_parameters(rank, world):
+    """Inside forward and after unshard(), Shard(0) and Shard(1): what a module holds is an
+    nn.Parameter (`isinstance`, `get_parameter`) of the full shape, under both frameworks."""
+    from torch.distributed.tensor import Shard
+    for fsdp in FRAMEWORKS:
+        for dim in (0, 1):
+            model = scripts.shard(fsdp, scripts.build(), shard_placement_fn=lambda p: Shard(
+                min(dim, p.dim() - 1)))
+            seen = []
+
+            def inspect(module, args, model=model):
+                weight = model.get_parameter("blocks.0.attn.qkv.weight")  # raises if not one
+                seen.append((isinstance(module.weight, nn.Parameter), tuple(weight.shape)))
+            model.blocks[0].attn.qkv.register_forward_pre_hook(inspect)
+            idx = scripts.batch(0, rank, world)
+            model(idx, idx).sum().backward()
+            assert seen == [(True, (72, 24))], (fsdp.__name__, dim, seen)
+            model.blocks[0].unshard()
+            weight = model.get_parameter("blocks.0.attn.qkv.weight")
+            assert isinstance(weight, nn.Parameter) and weight.shape == (72, 24), fsdp.__name__
+            model.blocks[0].reshard()
+
+
 def check_explicit_prefetch(rank, world):
     """torchtitan's prefetch lists: training equals torch's, and with depth 0 the lists alone
     issue block i+1's all-gather before block i's forward ends."""
@@ -524,7 +547,8 @@ CHECKS = [check_is_torch_fsdp_module, check_unshard_and_reshard, check_explicit_
           check_accumulation_knobs, check_reduction_knobs, check_replicas_defer_all_reduce,
           check_unshard_in_backward, check_reset_iter_state, check_forward_methods,
           check_ignored_params_and_policies, check_comm_ctx_and_post_optim_event, check_refused,
-          check_units_that_never_run, check_fully_shard_arguments, check_list_units]
+          check_units_that_never_run, check_fully_shard_arguments, check_list_units,
+          check_gathered_parameters_are_parameters]
 
 
 def _worker(rank, world):
