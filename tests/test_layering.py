@@ -390,6 +390,8 @@ ALLOWED_KEPT = {
     ("runtime/bucket.py", "setattr(param, OWNER_ATTR)"): "mark_owner tags a sharded parameter",
     ("runtime/bucket.py", "self.slots[index].param.grad"):
         "the bucket publishes its gradient shard",
+    ("runtime/unit_params.py", "tensor._is_param"):
+        "marks the gathered view it installs as a parameter (nn.Parameter's own mark)",
     ("runtime/unit_params.py", "ctx.unit"):
         "autograd's ctx: how a Function hands state to backward",
     ("runtime/model_parallel.py", "ctx.groups"):

@@ -48,7 +48,7 @@ def _device_for(module: nn.Module, mesh_device_type: str | None, offload: bool) 
 def _groups_from(mesh, process_group, device: torch.device, reshard_after_forward) -> comm.Groups:
     """The unit's groups; a post-forward group (`reshard_after_forward=k`) is only checked here,
     and made at the root's first forward, under the root's collective_timeout
-    (process_groups.make_issue_thread_groups)."""
+    (process_groups.make_first_forward_groups)."""
     shard = replicate = None
     if mesh is not None:
         of_mesh = comm.Groups.of_mesh(mesh, device)

@@ -15,7 +15,7 @@ class Groups:
     shard: ranks that each hold 1/shard_size of the unit (None: one rank, nothing to gather).
     replicate: ranks holding the same shard; gradients are all-reduced over them (HSDP, NO_SHARD).
     post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward
-        (made at the root's first forward: process_groups.make_issue_thread_groups).
+        (made at the root's first forward: process_groups.make_first_forward_groups).
     """
 
     device: torch.device

@@ -125,7 +125,7 @@ def _own_groups(mesh, unit_groups: comm.Groups, where: str) -> comm.Groups:
         raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
                          f"shard ranks, which reshard_after_forward={k} does not divide")
     # k below the mesh's size: its group is made at the root's first forward
-    # (process_groups.make_issue_thread_groups), under the root's collective_timeout.
+    # (process_groups.make_first_forward_groups), under the root's collective_timeout.
     post_forward = own.shard if k == own.shard_size else None
     return replace(own, post_forward=post_forward, post_forward_size=k)
 

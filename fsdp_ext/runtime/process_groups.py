@@ -1,7 +1,7 @@
 """The process groups the runtime creates: each one once per set of ranks, and never inside a step.
 
 Where each is made:
-  * at the root's first forward, before its first collective (`make_issue_thread_groups`), for
+  * at the root's first forward, before its first collective (`make_first_forward_groups`), for
     every unit: the post-forward groups (`reshard_after_forward=k`), then the issue thread's
     groups (CPU all-gathers, comm.py) over every unit's shard and post-forward group. The
     post-forward groups wait until then, rather than being made in the child's fully_shard, so
@@ -180,7 +180,7 @@ def issue_thread_group(group: dist.ProcessGroup | None,
     The members of a process group must issue its collectives in the same order; the compute
     thread's collectives (gradient reductions, checks) and the issue thread's all-gathers
     interleave differently on every rank, so each kind gets its own group. Made for every unit
-    at the root's first forward (`make_issue_thread_groups`); the all-gathers look it up.
+    at the root's first forward (`make_first_forward_groups`); the all-gathers look it up.
     """
     if group is None:
         return None
@@ -191,8 +191,8 @@ def issue_thread_group(group: dist.ProcessGroup | None,
     return found
 
 
-def make_issue_thread_groups(units, issue_thread: bool,
-                             timeout: datetime.timedelta | None) -> None:
+def make_first_forward_groups(units, issue_thread: bool,
+                              timeout: datetime.timedelta | None) -> None:
     """The groups `units` need, made now (a root's first forward, before any collective, under
     the root's `timeout`), in the units' order, alike on every rank: each unit's and own mesh's
     post-forward group (`reshard_after_forward=k`), then the issue thread's group of every group

@@ -61,7 +61,7 @@ class Schedule:
                                          mode=environment.check_mode)
         # Before any collective, bounded: a rank that fails before its first all-gather leaves
         # the others in a wait that names it, not in a group creation (process_groups.py).
-        process_groups.make_issue_thread_groups(units, self.streams.issue_thread, timeout)
+        process_groups.make_first_forward_groups(units, self.streams.issue_thread, timeout)
         self.forward_order: list[Unit] = []
         self._position: dict[Unit, int] = {}   # unit -> index in forward_order (prefetch lookups)
         self._recording: dict[Unit, None] = {}  # insertion-ordered set: this forward's units
