@@ -123,9 +123,12 @@ def test_torchtitan_trainer_hsdp_world4_matches_torch_fsdp2(tmp_path):
     _both(tmp_path, assets, hsdp, 4, world_size=4)
 
 
+# Backends other than torchtitan's default are not essential: the default tier's
+# tests/test_dp_mesh_dims.py and tests/test_expert_parallel.py run fsdp_ext on the parameters
+# those backends leave, against torch's fully_shard.
 @pytest.mark.slow
-@pytest.mark.essential
-@pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])
+@pytest.mark.parametrize("backend", [pytest.param("spmd_types", marks=pytest.mark.essential),
+                                     "full_dtensor"])
 def test_torchtitan_trainer_tensor_parallel_matches_torch_fsdp2(tmp_path, backend):
     """World 4 as (dp_shard 2, tp 2): torchtitan's tensor parallelism on its default backend
     (plain weights annotated S(dim) on tp, norms R: their gradients summed over tp) and on
@@ -156,11 +159,11 @@ def test_torchtitan_trainer_qwen3_moe_matches_torch_fsdp2(tmp_path, world_size, 
 
 
 @pytest.mark.slow
-@pytest.mark.essential
 @pytest.mark.parametrize("backend,num_experts,top_k,placement,resume", [
     # torchtitan's default backend: experts are plain tensors annotated S(0) on `ep`, their
     # mesh-info names the sparse mesh's axes (dp_mesh_dims); 2 experts < efsdp x ep: Shard(1)
-    ("spmd_types", 2, 1, "(Shard(dim=1), Shard(dim=0))", True),
+    pytest.param("spmd_types", 2, 1, "(Shard(dim=1), Shard(dim=0))", True,
+                 marks=pytest.mark.essential),
     # experts are DTensors Shard(0) on `ep`, their mesh-info the 1-D efsdp mesh; 4 experts:
     # Shard(0) again over efsdp, a strided shard of the global rows
     ("partial_dtensor", 4, 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))", False),

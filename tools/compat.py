@@ -380,6 +380,19 @@ DIFFERENCES = [
     "test_rank_later_than_the_process_group_timeout_hears_the_others_gave_up`). The root's "
     "`collective_timeout` also bounds the creation of its blocks' `reshard_after_forward=k` "
     "groups, made at its first forward.",
+    "A cast after sharding (`model.to(torch.bfloat16)`, `.half()`, `.double()`) is refused "
+    "before anything changes, naming the parameter and the alternatives (MixedPrecisionPolicy's "
+    "`param_dtype` to compute in another dtype, a cast before `fully_shard` to store one, the "
+    "full state dict to export one); torch's FSDP2 casts the shards "
+    "(`test_bad_inputs.py::check_parameter_dtypes`).",
+    "The gathered parameters a module holds inside forward and after `unshard()` are "
+    "`nn.Parameter`s (`isinstance`, `get_parameter`) viewing the gathered buffer, but not autograd "
+    "leaves: their `.grad` stays None (the gradient goes to the sharded parameter, as under "
+    "torch); torch's are leaf Parameters.",
+    "A parameter whose module did not run (a member of a list unit left out of a forward, as "
+    "torchtitan's chunked loss leaves `lm_head`) is not sent, as torch sends only parameters with "
+    "a gradient; a parameter whose module ran but got no gradient on this rank is sent as zeros "
+    "(another rank may have used it), where torch would need every rank to agree.",
     "Found while testing against torch 2.14.1 on CPU/gloo: its FSDP1 `optim_state_dict` files "
     "optimizer states under other parameters' names for the test GPT (so resumed runs "
     "diverge), and its HYBRID_SHARD with a shard group of size 1 drifts from the single-"
