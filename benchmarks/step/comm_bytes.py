@@ -31,11 +31,11 @@ class _Counter:
         self.sent[kind] = self.sent.get(kind, 0.0) + factor * buffer_bytes
 
     def __enter__(self):
-        from fsdp_ext.runtime import comm, quantized_comm
+        from fsdp_ext.runtime import comm
         w = self.world
         ring = (w - 1) / w
         self._saved = (comm.issue_all_gather, comm.all_gather_into, comm.reduce_scatter_groups,
-                       quantized_comm.dist.all_to_all_single)
+                       comm.dist.all_to_all_single)
 
         def issue(fulls, sources, *args, **kwargs):
             self._add("all-gather", sum(t.numel() * t.element_size() for t in fulls), ring)
@@ -45,23 +45,25 @@ class _Counter:
             self._add("all-gather", output.numel() * output.element_size(), ring)
             return self._saved[1](output, input, *args, **kwargs)
 
-        def reduce(flat, layout, group, async_op):
-            if group is not None:
-                self._add("reduction", flat.numel() * flat.element_size(), 2 * ring)
-            return self._saved[2](flat, layout, group, async_op)
+        def reduce(flat, layout, group, async_op, sent=None):
+            if group is not None:  # the groups sent (grads.groups_sent; None: all)
+                numel = flat.numel() if sent is None else layout.world_size * sum(
+                    layout.groups[i].shard_numel for i in sent)
+                self._add("reduction", numel * flat.element_size(), 2 * ring)
+            return self._saved[2](flat, layout, group, async_op, sent)
 
         def all_to_all(output, input, *args, **kwargs):
             self._add("reduction", input.numel() * input.element_size(), ring)
             return self._saved[3](output, input, *args, **kwargs)
         comm.issue_all_gather, comm.all_gather_into, comm.reduce_scatter_groups = (
             issue, gather, reduce)
-        quantized_comm.dist.all_to_all_single = all_to_all
+        comm.dist.all_to_all_single = all_to_all  # (the quantized wire's reduction)
         return self
 
     def __exit__(self, *exc):
-        from fsdp_ext.runtime import comm, quantized_comm
+        from fsdp_ext.runtime import comm
         (comm.issue_all_gather, comm.all_gather_into, comm.reduce_scatter_groups,
-         quantized_comm.dist.all_to_all_single) = self._saved
+         comm.dist.all_to_all_single) = self._saved
 
 
 def _worker(rank: int, world: int, port: int, out: dict) -> None:
