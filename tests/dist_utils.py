@@ -6,6 +6,7 @@ tests group their cases into one worker function instead of launching per assert
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import traceback
@@ -28,6 +29,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args, timeout_s: float, ba
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    faulthandler.enable()  # a rank that crashes (a signal) prints every thread's Python stack
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
