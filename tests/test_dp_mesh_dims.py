@@ -167,6 +167,17 @@ def check_bad_input(rank, world):
                                                   r"another mesh"):
         fsdp_ext.fully_shard(layer, mesh=mesh, dp_mesh_dims=DIMS(shard="dp_shard"))
     assert not isinstance(layer.bias, DTensor)  # refused before anything changed
+    # DTensor parameters on a replicate-only layout: refused, saying what takes it instead.
+    replicate = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
+    layer = nn.Linear(4, 4)
+    for name in ("weight", "bias"):
+        setattr(layer, name, nn.Parameter(torch.distributed.tensor.distribute_tensor(
+            getattr(layer, name).detach(), replicate, [torch.distributed.tensor.Replicate()])))
+    with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): parameter 'weight'.*"
+                                                  r"no shard axis \(replicate axes "
+                                                  r"\['dp_replicate'\] only\).*"
+                                                  r"Plain parameters take this layout"):
+        fsdp_ext.fully_shard(layer, mesh=replicate, dp_mesh_dims=DIMS(replicate="dp_replicate"))
 
 
 def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):

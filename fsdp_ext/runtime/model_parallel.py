@@ -179,9 +179,14 @@ def data_parallel_axes(mesh: DeviceMesh, shard_names, replicate_names, where: st
     """(the shard axis index, the data-parallel axis indices) of a storage mesh's named axes."""
     names = mesh.mesh_dim_names
     if len(shard_names) != 1:
-        raise NotImplementedError(f"{where}: a DTensor parameter on the storage mesh with "
-                                  f"{len(shard_names)} shard axes {list(shard_names)}; fsdp_ext "
-                                  "takes one there")
+        layout = (f"no shard axis (replicate axes {list(replicate_names)} only), which torch's "
+                  "fully_shard replicates" if not shard_names else
+                  f"{len(shard_names)} shard axes {list(shard_names)}, which torch's fully_shard "
+                  "flattens into one")
+        raise NotImplementedError(
+            f"{where}: a DTensor parameter on the storage mesh with {layout}; fsdp_ext takes "
+            "DTensor parameters with one shard axis. Plain parameters take this layout "
+            "(torchtitan's spmd_types backend), or name one shard axis in dp_mesh_dims")
     axes = frozenset(names.index(n) for n in (*shard_names, *replicate_names))
     return names.index(shard_names[0]), axes
 
