@@ -41,7 +41,9 @@ def progress_bar(total: int, initial: int, enabled: bool):
     # A terminal that reports a size of 0 (some containers' and CI consoles do): tqdm would trim
     # every line to nothing, so the bar takes a fixed 80 columns (and tqdm's default 20 rows).
     fixed = _reports_no_size(sys.stderr)
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
+    # leave=True: the last state stays drawn even when another tqdm bar of the process is open
+    # (tqdm then places this one below it and, by default, erases it on close).
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", leave=True,
                 dynamic_ncols=not fixed, ncols=80 if fixed else None,
                 nrows=20 if fixed else None, mininterval=1.0)
 
