@@ -28,7 +28,6 @@ def adopt_params(unit) -> None:
     unit.params.params_replaced()
 
 
-
 def _current(bucket) -> list:
     return [slot.locations[0][0]._parameters[slot.locations[0][1]] for slot in bucket.slots]
 
