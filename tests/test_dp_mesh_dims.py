@@ -5,8 +5,8 @@ parameters plain tensors annotated `R` on every axis, as that backend leaves the
 replicate only (world 4, slow): losses and trained parameters equal to torch's, the sharded
 parameters' placements and local shapes torch's, DCP checkpoints written by either read by the
 other; bad input refused at the call, naming what is wrong. The parameters as its `full_dtensor`
-backend makes them, DTensors on the mesh: one shard axis (world 2), HSDP and a tensor-parallel
-axis (world 4, slow)."""
+backend makes them, DTensors on the mesh: one shard axis (world 2), HSDP, a tensor-parallel axis,
+two shard axes flattened and replicate only (world 4, slow)."""
 from __future__ import annotations
 
 import pytest
@@ -89,15 +89,16 @@ def _compare(what, ours, theirs):
                                                                       s_t[name])
 
 
-def _interchange(what, mesh, dims, rank, tmp):
+def _interchange(what, mesh, dims, rank, tmp, run=None):
     """DCP: fsdp_ext's trained state read by torch's model, and torch's by fsdp_ext's."""
-    runs = {f.__name__: _run(f, mesh, dims, rank) for f in (torch_fsdp, fsdp_ext)}
+    run = run or _run
+    runs = {f.__name__: run(f, mesh, dims, rank) for f in (torch_fsdp, fsdp_ext)}
     _compare(what, runs["fsdp_ext"], runs["torch.distributed.fsdp"])
     for writer, reader in (("fsdp_ext", "torch.distributed.fsdp"),
                            ("torch.distributed.fsdp", "fsdp_ext")):
         path = f"{tmp}/{what.replace(' ', '_')}_{writer}"
         dcp.save({"model": runs[writer][3].state_dict()}, checkpoint_id=path)
-        fresh = _run(torch_fsdp if reader == "torch.distributed.fsdp" else fsdp_ext, mesh, dims,
+        fresh = run(torch_fsdp if reader == "torch.distributed.fsdp" else fsdp_ext, mesh, dims,
                      rank, steps=0)[3]
         state = {"model": fresh.state_dict()}
         dcp.load(state, checkpoint_id=path)
@@ -167,17 +168,15 @@ def check_bad_input(rank, world):
                                                   r"another mesh"):
         fsdp_ext.fully_shard(layer, mesh=mesh, dp_mesh_dims=DIMS(shard="dp_shard"))
     assert not isinstance(layer.bias, DTensor)  # refused before anything changed
-    # DTensor parameters on a replicate-only layout: refused, saying what takes it instead.
-    replicate = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
+    # DTensor parameters on shard axes apart from each other: refused, naming them.
+    apart = init_device_mesh("cpu", (2, world // 2, 1), mesh_dim_names=("dp_shard", "tp", "cp"))
     layer = nn.Linear(4, 4)
     for name in ("weight", "bias"):
         setattr(layer, name, nn.Parameter(torch.distributed.tensor.distribute_tensor(
-            getattr(layer, name).detach(), replicate, [torch.distributed.tensor.Replicate()])))
+            getattr(layer, name).detach(), apart, [torch.distributed.tensor.Replicate()] * 3)))
     with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): parameter 'weight'.*"
-                                                  r"no shard axis \(replicate axes "
-                                                  r"\['dp_replicate'\] only\).*"
-                                                  r"Plain parameters take this layout"):
-        fsdp_ext.fully_shard(layer, mesh=replicate, dp_mesh_dims=DIMS(replicate="dp_replicate"))
+                                                  r"shard axes \['dp_shard', 'cp'\]"):
+        fsdp_ext.fully_shard(layer, mesh=apart, dp_mesh_dims=DIMS(shard=("dp_shard", "cp")))
 
 
 def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):
@@ -203,8 +202,8 @@ def _run_full_dtensor(fsdp, mesh, dims, rank, steps=3):
     for block in model:
         fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
     fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
-    specs = {n: (p.placements, tuple(p.to_local().shape), p.shape)
-             for n, p in model.named_parameters()}
+    specs = {n: ((p.device_mesh.mesh_dim_names, p.device_mesh.shape, *p.placements),
+                 tuple(p.to_local().shape), p.shape) for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # (AdamW would hide a gradient's scale)
     losses = []
     for step in range(steps):
@@ -245,13 +244,28 @@ def check_full_dtensor_tensor_parallel(rank, world):
              _run_full_dtensor(torch_fsdp, mesh, dims, rank))
 
 
+def check_full_dtensor_flattened(rank, world):
+    """The same on (dp_shard 2, cp 2), both shard axes: one flattened shard axis in the face."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "cp"))
+    _interchange("full_dtensor dp_shard x cp flattened", mesh, DIMS(shard=("dp_shard", "cp")),
+                 rank, _tmp(rank), run=_run_full_dtensor)
+
+
+def check_full_dtensor_replicate_only(rank, world):
+    """The same on dp_replicate alone: every rank holds the whole parameter, gradients summed."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
+    _interchange("full_dtensor replicate only", mesh, DIMS(replicate="dp_replicate"), rank,
+                 _tmp(rank), run=_run_full_dtensor)
+
+
 def _worker2(rank, world):
     run_checks([check_one_shard_axis, check_full_dtensor], rank, world)
 
 
 def _worker4(rank, world):
     run_checks([check_hsdp, check_flattened_shard_axes, check_replicate_only, check_bad_input,
-                check_full_dtensor_hsdp, check_full_dtensor_tensor_parallel],
+                check_full_dtensor_hsdp, check_full_dtensor_tensor_parallel,
+                check_full_dtensor_flattened, check_full_dtensor_replicate_only],
                rank, world)
 
 

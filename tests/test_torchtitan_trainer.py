@@ -10,6 +10,7 @@ fsdp_ext's (tests/titan_cpu.py: the swap and the CPU shims):
   with DeepSeek V3's multi-token prediction (its embedding and head used twice per forward);
 - the same with every transformer block compiled (`compile(fullgraph=True)`, aot_eager);
 - the same at world 4 with tensor parallelism 2, on its default backend and on full_dtensor;
+- the same at world 4 with context parallelism 2 on full_dtensor (two shard axes flattened);
 - the same with pipeline parallelism 2 at world 4 (1F1B with a checkpoint resumed across
   implementations, Interleaved1F1B);
 - the same for its Qwen3 MoE (EP 1 at world 2 and 4; EP 2 at world 4, on its default spmd_types
@@ -137,6 +138,18 @@ def test_torchtitan_trainer_tensor_parallel_matches_torch_fsdp2(tmp_path, backen
     tp = ["--training.steps", "3", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.spmd_backend", backend]
     _both(tmp_path, assets, tp, 3, world_size=4)
+
+
+@pytest.mark.slow
+def test_torchtitan_trainer_context_parallel_full_dtensor_matches_torch_fsdp2(tmp_path):
+    """World 4 as (dp_shard 2, cp 2) on the full_dtensor backend: its parameters are DTensors on
+    the storage mesh and its dp_mesh_dims shard over ("dp_shard", "cp"), flattened into one
+    shard axis: losses and gradient norms bitwise equal. (CP's flex attention takes sequences
+    of 2 x its 128-token block: seq_len 256.)"""
+    assets = make_assets(str(tmp_path / "assets"))
+    cp = ["--training.steps", "3", "--parallelism.context_parallel_degree", "2",
+          "--parallelism.spmd_backend", "full_dtensor", "--training.seq_len", "256"]
+    _both(tmp_path, assets, cp, 3, world_size=4)
 
 
 @pytest.mark.slow

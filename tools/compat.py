@@ -147,10 +147,12 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
                                   "the named axes of the SPMD mesh (one shard axis, several "
                                   "flattened, HSDP, replicate only) with plain parameters, as "
                                   "torchtitan's spmd_types backend passes them, or DTensors "
-                                  "on that mesh (its full_dtensor backend, one shard axis); "
-                                  "a TP axis read from the DTensors' placements or the "
-                                  "annotations (S(dim), R, I); a missing annotation, or a "
-                                  "DTensor on another mesh, refused naming the parameter"),
+                                  "on that mesh (its full_dtensor backend: the same layouts, "
+                                  "flattened shard axes adjacent in the mesh); a TP axis read "
+                                  "from the DTensors' placements or the annotations (S(dim), "
+                                  "R, I); a missing annotation, a plain parameter on two such "
+                                  "axes, a DTensor on another mesh or on shard axes apart from "
+                                  "each other, refused naming the parameter"),
     "fully_shard(module)": (TESTED, "f2.lists",
                             "a module, or a list of modules sharded as one unit"),
     # ---- FSDPModule methods ----

@@ -117,28 +117,46 @@ class _SumGradient(torch.autograd.Function):
 
 class OnStorageMesh:
     """A DTensor on the whole storage mesh, whose axes at `data_parallel` (indices) fsdp_ext
-    shards over (one shard axis; replicate axes stay Replicate)."""
+    shards over: the `shard_axes` (none: replicate only; several: flattened into one, as torch's
+    fully_shard flattens them) sharded, the replicate axes left Replicate."""
 
     hybrid_own_mesh = True  # replicate axes of its storage mesh stay Replicate in face_spec
 
-    def __init__(self, spec: DTensorSpec, shard_axis: int, data_parallel: frozenset[int]):
-        self.spec, self.shard_axis, self.data_parallel = spec, shard_axis, data_parallel
+    def __init__(self, spec: DTensorSpec, shard_axes: tuple[int, ...],
+                 data_parallel: frozenset[int]):
+        self.spec, self.shard_axes, self.data_parallel = spec, shard_axes, data_parallel
 
     def check(self, where: str, storage_axes) -> None:
         """(on_storage_mesh checked it against the storage mesh.)"""
 
     def face_spec(self, dp_mesh: DeviceMesh, dim: int) -> DTensorSpec:
         """Shard(dim) on the shard axis, strided where an axis after it shards `dim` too, as
-        torch's fully_shard places it; on the storage mesh itself (`dp_mesh` is its submesh)."""
+        torch's fully_shard places it. One shard axis: on the storage mesh itself. Several: on
+        the storage mesh with those axes replaced by the unit's data-parallel mesh `dp_mesh`
+        (flattened; HSDP's replicate axis before it). None: the parameter's own spec."""
         mesh, placements = self.spec.mesh, list(self.spec.placements)
+        if not self.shard_axes:
+            return self.spec
+        first = self.shard_axes[0]
         split = 1
-        for axis in range(self.shard_axis + 1, mesh.ndim):
+        for axis in range(first + 1, mesh.ndim):
             p = placements[axis]
             if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
                 split *= mesh.size(axis)
-        placements[self.shard_axis] = (_StridedShard(dim, split_factor=split) if split > 1
-                                       else Shard(dim))
-        return DTensorSpec(mesh, tuple(placements), tensor_meta=self.spec.tensor_meta)
+        shard = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        if len(self.shard_axes) == 1:
+            placements[first] = shard
+            return DTensorSpec(mesh, tuple(placements), tensor_meta=self.spec.tensor_meta)
+        names, meshes, faces = mesh.mesh_dim_names, [], []
+        for axis, p in enumerate(placements):
+            if axis == first:
+                meshes.append(dp_mesh)
+                faces.extend((Replicate(), shard) if dp_mesh.ndim == 2 else (shard,))
+            elif axis not in self.data_parallel:
+                meshes.append(mesh[names[axis]])
+                faces.append(p)
+        return DTensorSpec(DeviceMesh._concatenate(meshes), tuple(faces),
+                           tensor_meta=self.spec.tensor_meta)
 
     def compute_view(self, local: torch.Tensor) -> torch.Tensor:
         return _OnStorageMesh.apply(local, self.spec, self.data_parallel)
@@ -176,19 +194,18 @@ class _OnStorageMesh(torch.autograd.Function):
 
 
 def data_parallel_axes(mesh: DeviceMesh, shard_names, replicate_names, where: str):
-    """(the shard axis index, the data-parallel axis indices) of a storage mesh's named axes."""
+    """(the shard axes' indices, the data-parallel axes' indices) of a storage mesh's named
+    axes. Several shard axes must be adjacent, in the mesh's order: torch's fully_shard puts
+    their flattened mesh where they stand."""
     names = mesh.mesh_dim_names
-    if len(shard_names) != 1:
-        layout = (f"no shard axis (replicate axes {list(replicate_names)} only), which torch's "
-                  "fully_shard replicates" if not shard_names else
-                  f"{len(shard_names)} shard axes {list(shard_names)}, which torch's fully_shard "
-                  "flattens into one")
+    shard_axes = tuple(names.index(n) for n in shard_names)
+    if shard_axes and shard_axes != tuple(range(shard_axes[0], shard_axes[0] + len(shard_axes))):
         raise NotImplementedError(
-            f"{where}: a DTensor parameter on the storage mesh with {layout}; fsdp_ext takes "
-            "DTensor parameters with one shard axis. Plain parameters take this layout "
-            "(torchtitan's spmd_types backend), or name one shard axis in dp_mesh_dims")
+            f"{where}: a DTensor parameter on the storage mesh {names} with shard axes "
+            f"{list(shard_names)}; fsdp_ext flattens shard axes that stand next to each other, "
+            "in the mesh's order")
     axes = frozenset(names.index(n) for n in (*shard_names, *replicate_names))
-    return names.index(shard_names[0]), axes
+    return shard_axes, axes
 
 
 def on_storage_mesh(param: DTensor, mesh: DeviceMesh, shard_names, replicate_names,
@@ -198,10 +215,10 @@ def on_storage_mesh(param: DTensor, mesh: DeviceMesh, shard_names, replicate_nam
     if param.device_mesh != mesh:
         raise ValueError(f"{where}: a DTensor on {param.device_mesh}, not on the storage mesh "
                          f"{mesh} its mesh-info names")
-    shard_axis, axes = data_parallel_axes(mesh, shard_names, replicate_names, where)
+    shard_axes, axes = data_parallel_axes(mesh, shard_names, replicate_names, where)
     for axis in sorted(axes):
         if not isinstance(param.placements[axis], Replicate):
             raise ValueError(f"{where}: {param.placements[axis]} on the data-parallel axis "
                              f"'{mesh.mesh_dim_names[axis]}'; fully_shard takes Replicate() "
                              "there (it shards over that axis itself)")
-    return OnStorageMesh(param._spec, shard_axis, axes)
+    return OnStorageMesh(param._spec, shard_axes, axes)
