@@ -34,7 +34,7 @@ from .diagnostics.memory import memory_report
 from .diagnostics.optim_check import check_optimizer
 from .planner.plan import plan
 from .runtime.comm_policy import CommPolicy
-from .runtime.placements import MeshPlacement
+from .runtime.placement.shard_fn import MeshPlacement
 from .runtime.errors import CollectiveError, CollectiveMismatchError, NonFiniteGradientError
 from .runtime.storage_cache import empty_cache
 from .shutdown import exit_without_finalization, run_then_exit

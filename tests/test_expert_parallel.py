@@ -1,5 +1,5 @@
-"""Expert-parallel parameters under fully_shard (runtime/placements.py, runtime/spmd_params.py,
-runtime/model_parallel.py): expert weights split over `ep`, sharded again over `efsdp` through
+"""Expert-parallel parameters under fully_shard (runtime/placement/shard_fn.py, runtime/placement/spmd_params.py,
+runtime/placement/model_parallel.py): expert weights split over `ep`, sharded again over `efsdp` through
 torch 2.14's ShardPlacementResult, the rest over every rank; in torchtitan's three spellings
 (DTensors on `ep` with a 1-D mesh-info; plain tensors annotated with spmd_types, and DTensors on
 the (efsdp, ep) storage mesh, with a mesh-info over named axes), Shard(0) and Shard(1). Losses,

@@ -1,4 +1,4 @@
-"""shard_placement_fn's Shard(dim) placements (runtime/placements.py, runtime/layout.py), run with
+"""shard_placement_fn's Shard(dim) placements (runtime/placement/shard_fn.py, runtime/layout.py), run with
 torch's fully_shard and fsdp_ext's on the same script (tests/placement_scripts.py): expert
 weights `[experts, in, out]` sharded along dim 1 (torchtitan's choice when experts < FSDP degree)
 and along the last dim, beside Shard(0) parameters of the same unit. Losses, gradients, trained

@@ -10,10 +10,10 @@ the unit is what `fully_shard(mesh=<that mesh>)` makes of it.
 
 The parameters must hold their data-parallel values whole on every rank: plain tensors (torchtitan's
 `spmd_types` backend annotates them with the `R` type on those axes) or DTensors on the SPMD mesh,
-Replicate on those axes (its `full_dtensor` backend: runtime/model_parallel.OnStorageMesh, whose
+Replicate on those axes (its `full_dtensor` backend: runtime/placement/model_parallel.OnStorageMesh, whose
 face carries the flattened shard mesh where torch's does; its shard axes must be adjacent). Another
 axis of several ranks (tensor parallel) is read from what the parameter says of it: a DTensor's
-placements, a plain tensor's spmd_types annotation (runtime/spmd_params.py: S(dim), R or I; a
+placements, a plain tensor's spmd_types annotation (runtime/placement/spmd_params.py: S(dim), R or I; a
 missing one, or a second such axis, refused naming the parameter). A DTensor on another mesh is
 refused naming the parameter.
 """

@@ -110,14 +110,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         shard_placement_fn: torch's hook choosing a parameter's placement: Shard(dim) for any
             dim of the parameter (uneven sizes padded), None for Shard(0), or a mesh of its own
             (torch's ShardPlacementResult with an FSDPMeshInfo or HSDPMeshInfo, or fsdp_ext's
-            MeshPlacement), as expert parallelism gives its experts (runtime/placements.py).
+            MeshPlacement), as expert parallelism gives its experts (runtime/placement/shard_fn.py).
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
         dp_mesh_dims: torch's DataParallelMeshDims: `mesh` is then the whole SPMD mesh and these
             its data-parallel axes (several shard axes flattened into one; a replicate axis makes
             it HSDP; replicate alone, replicate-only), as torch's. Another axis of more than one
             rank (tensor or expert parallelism) is what a parameter's DTensor placements or
             spmd_types annotation say it holds there; a plain parameter without one is refused
-            naming it (api/dp_mesh_dims.py, runtime/spmd_params.py).
+            naming it (api/dp_mesh_dims.py, runtime/placement/spmd_params.py).
         param_init_fn: fsdp_ext extension for modules built on the meta device: called on each
             module of the unit once its parameters have storage. Without it, parameters on meta
             stay there until `model.to_empty(device=...)`, as with torch's fully_shard.

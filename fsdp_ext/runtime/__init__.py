@@ -10,8 +10,7 @@ registered to run forward (forward_methods.py), what a unit is built with (unit_
 environment read once: env.py; the options a root's schedule reads: schedule_options.py), which
 parameters a unit owns and its buckets (param_buckets.py; bucket.py, the one owner of a bucket's
 tensors; grad_state.py, what its gradient path keeps across micro-batches), where and over which
-mesh each parameter is sharded (placements.py, groups.py; parameters that tensor or expert
-parallelism split first: model_parallel.py, spmd_params.py), what each bucket puts on the wire and
+mesh each parameter is sharded (placement/, its own file map; groups.py), what each bucket puts on the wire and
 how it comes back (wire.py: exact; wire_quantized.py: a CommPolicy's, comm_policy.py its
 settings; wire_subclass.py: tensor subclasses' hooks), where every element lives (layout.py), the
 DTensor parameters of fully_shard (dtensor_params.py), the all-gather of a bucket (gather.py), the

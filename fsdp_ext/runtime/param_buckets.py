@@ -18,9 +18,9 @@ from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .model_parallel import TensorParallel
-from .placements import resolve
-from .spmd_params import parallel_of
+from .placement.model_parallel import TensorParallel
+from .placement.shard_fn import resolve
+from .placement.spmd_params import parallel_of
 from .registry import unit_of
 from .wire import ExactWire
 from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
