@@ -29,6 +29,7 @@ from .api.fsdp1 import FullyShardedDataParallel
 from .api.fsdp_module import (FSDPModule, UnshardHandle, register_fsdp_forward_method,
                               share_comm_ctx)
 from .api.fully_shard import fully_shard
+from .api.replicate import ReplicateModule, replicate
 from .diagnostics.describe import describe
 from .diagnostics.memory import memory_report
 from .diagnostics.optim_check import check_optimizer
@@ -51,7 +52,7 @@ __all__ = [
     # FSDP2 style
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     "share_comm_ctx", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
-    "DataParallelMeshDims",
+    "DataParallelMeshDims", "replicate", "ReplicateModule",
     # FSDP1 style
     "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
     "CPUOffload", "ModuleWrapPolicy", "CustomPolicy", "size_based_auto_wrap_policy",

@@ -137,12 +137,7 @@ def check_flattened_shard_axes(rank, world):
 
 def check_replicate_only(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
-    dims = DIMS(replicate="dp_replicate")
-    ours, theirs = (_run(f, mesh, dims, rank) for f in (fsdp_ext, torch_fsdp))
-    (l_o, p_o, *_), (l_t, p_t, *_) = ours, theirs
-    torch.testing.assert_close(l_o, l_t, **FP32)
-    for name, value in p_t.items():
-        torch.testing.assert_close(p_o[name], value, **FP32, msg=lambda m: f"{name}: {m}")
+    _interchange("replicate only", mesh, DIMS(replicate="dp_replicate"), rank, _tmp(rank))
 
 
 def check_bad_input(rank, world):

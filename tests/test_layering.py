@@ -401,6 +401,7 @@ ALLOWED_KEPT = {
     ("runtime/unit_state.py", "setattr(owner, attr)"): "`move`, the checked transition owners call",
     # What the public API does to the user's objects, as torch's own does.
     ("api/fully_shard.py", "member.__class__"): "fully_shard makes the module an FSDPModule",
+    ("api/replicate.py", "member.__class__"): "replicate makes the module a ReplicateModule",
     ("api/fully_shard.py", "member.__dict__[UNIT_ATTR]"): "fully_shard gives the module its unit",
     ("api/fully_shard.py", "sub._buffers[name]"):
         "offload moves buffers, not parameters, to the device",
@@ -550,6 +551,68 @@ def test_no_caller_tests_a_bucket_kind(tmp_path):
     with open(copy / "runtime" / "gather.py", "a") as f:
         f.write("\n\ndef planted(bucket):\n    return bucket.wire.kind == 'quantized'\n")
     assert [f.split(": ", 1)[1] for f in kind_tests(str(copy))] == [".kind =="]
+
+
+# A parameter's placement (plain, tensor parallel, annotated, on the storage mesh; its own mesh) is
+# the placement object's business (runtime/placement/): callers ask it, never which it is. These are
+# the ways a caller could ask: a placement class named, the old `slot.parallel` / capability
+# flag, a placement's or a bucket's mesh compared with something (a mesh of its own).
+PLACEMENT_CLASSES = {"TensorParallel", "Annotated", "OnStorageMesh", "ModelParallel"}
+PLACEMENT_ATTRS = {"parallel", "hybrid_own_mesh"}
+
+
+def placement_kind_tests(root: str = PACKAGE_DIR) -> list[str]:
+    found = []
+    for rel, source in package_files(root).items():
+        if rel.startswith("runtime/placement/"):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            what = None
+            if isinstance(node, ast.Attribute) and node.attr in PLACEMENT_ATTRS:
+                what = "." + node.attr
+            elif isinstance(node, ast.Name) and node.id in PLACEMENT_CLASSES:
+                what = node.id
+            elif isinstance(node, ast.alias) and node.name in PLACEMENT_CLASSES:
+                what = "import " + node.name
+            elif isinstance(node, ast.Compare):
+                sides = [ast.unparse(n) for n in (node.left, *node.comparators)]
+                if (any(t.endswith("placement.mesh") for t in sides)
+                        or all(t.endswith(".groups") for t in sides)):
+                    what = ast.unparse(node)
+            if what is not None:
+                found.append(f"{rel}:{node.lineno}: {what}")
+    return sorted(found)
+
+
+# Each branch on a placement's kind that callers held before the placement object (the first ten,
+# planted back into the file each was in; placements.py's is fully_shard's here), and two new
+# spellings of the same question: each must be found.
+OLD_PLACEMENT_BRANCHES = {
+    "runtime/unit_params.py": "t = v if slot.parallel is None else slot.parallel.compute_view(v)",
+    "runtime/param_buckets.py": "ok = slot.parallel is not None",
+    "api/clip.py": "g = g if slot.parallel is None else g + slot.parallel.norm_groups()",
+    "state/state_dict.py": "t = slot.parallel.full_tensor(t) if slot.parallel else t",
+    "state/summon.py": "bad = any(slot.parallel is not None for slot in bucket.slots)",
+    "state/pretrained.py": "bad = slot.parallel is not None",
+    "state/load_state_dict.py": "bad = slot.parallel is not None",
+    "state/load_checks.py": "keep = [s for s in slots if s.parallel is None]",
+    "diagnostics/describe.py": "own = bucket.groups is not unit.groups",
+    "api/fully_shard.py": "hybrid = split is not None and not split.hybrid_own_mesh",
+    "state/optim_state_dict.py": "tp = isinstance(slot.placement, TensorParallel)",
+    "runtime/unit.py": "own = slot.placement.mesh is not None",
+}
+
+
+def test_no_caller_tests_a_placement_kind(tmp_path):
+    found = placement_kind_tests()
+    assert found == [], "a placement's kind tested outside runtime/placement/:\n" + "\n".join(found)
+    copy = tmp_path / "fsdp_ext"
+    shutil.copytree(PACKAGE_DIR, copy)
+    for rel, line in OLD_PLACEMENT_BRANCHES.items():
+        with open(copy / rel, "a") as f:
+            f.write(f"\n\ndef _planted(slot, slots, bucket, unit, split, v, g, t):\n    {line}\n")
+    planted = {f.split(":")[0] for f in placement_kind_tests(str(copy))}
+    assert planted == set(OLD_PLACEMENT_BRANCHES), sorted(set(OLD_PLACEMENT_BRANCHES) - planted)
 
 
 MAX_RUNTIME_FILE_LINES = 350  # small single-purpose files: one that grows past this splits

@@ -5,7 +5,8 @@
   torch changes them, this fails and names the line);
 - PP 2 x FSDP 2 at world 4, one script run with torch's `fully_shard` and with fsdp_ext's, under
   Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B (two stages per rank): every loss,
-  gradient and trained parameter bit for bit;
+  gradient and trained parameter bit for bit; and under Schedule1F1B with each stage
+  replicated (`replicate`, whose ReplicateModule the stage asks `replicate.state` of);
 - the schedules that split backward into input and weight passes (ZBV) are refused with a clear
   error at the first step, on every rank, instead of leaving the gradients None;
 - torchtitan's own trainer with PP is in tests/test_torchtitan_trainer.py.
@@ -39,6 +40,7 @@ def test_torch_stage_still_makes_the_calls_fsdp_ext_answers():
         stage._PipelineStageBase.perform_reduce_grad: [
             "set_is_last_backward(True)", "set_reshard_after_backward(True)",
             "set_requires_gradient_sync(True)", "fully_shard.state(fsdp_module)",
+            "isinstance(fsdp_module, ReplicateModule)", "replicate.state(fsdp_module)",
             "_state_ctx.all_states", "_fsdp_param_groups", ".post_backward()",
             "_root_post_backward_final_callback()"],
     }
@@ -55,6 +57,10 @@ def test_torch_stage_still_makes_the_calls_fsdp_ext_answers():
     state = torch_fully_shard.state(module)
     assert state is not None and hasattr(state, "_root_post_backward_final_callback")
     assert [len(s._fsdp_param_groups) for s in state._state_ctx.all_states] == [1]
+    # ... and where torch's replicate.state(module) looks, for a module fsdp_ext replicated.
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+    replicated = fsdp_ext.replicate(nn.Linear(4, 4))
+    assert torch_replicate.state(replicated) is torch_fully_shard.state(replicated) is not None
 
 
 class Block(nn.Module):
@@ -135,13 +141,24 @@ def _same(what: str, ours, theirs) -> None:
         assert ours == theirs, (what, ours, theirs)
 
 
+def _replicating(replicate):
+    """`replicate` called as train() calls fully_shard (it takes no reshard_after_forward)."""
+    return lambda module, mesh, reshard_after_forward=None: replicate(module, mesh=mesh)
+
+
 def schedules_worker(rank: int, world_size: int) -> None:
     import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
     for schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
         ours = train(fsdp_ext.fully_shard, schedule)
         theirs = train(torch_fsdp.fully_shard, schedule)
         assert theirs["grads"] and (theirs["losses"] or rank < 2), schedule
         _same(f"rank {rank} {schedule}", ours, theirs)
+    # each stage replicated over dp (torch's stage asks replicate.state for a ReplicateModule)
+    ours = train(_replicating(fsdp_ext.replicate), "1F1B")
+    theirs = train(_replicating(torch_replicate), "1F1B")
+    assert set(theirs["placements"].values()) == {"(Replicate(),)"}
+    _same(f"rank {rank} 1F1B replicated", ours, theirs)
     with pytest.raises(NotImplementedError, match=r"split the backward into input and weight "
                                                   r"passes .*ScheduleZBVZeroBubble"):
         train(fsdp_ext.fully_shard, "ZBVZeroBubble", steps=1)

@@ -11,7 +11,8 @@ does with it. `python tools/compat.py` writes docs/compat.md; `python tools/comp
 - docs/compat.md differs from what the table renders.
 
 Names are enumerated by introspection: `torch.distributed.fsdp.__all__` and the policies of
-`torch.distributed.fsdp.wrap`; the parameters of `fully_shard`, `FullyShardedDataParallel.__init__`
+`torch.distributed.fsdp.wrap`; `replicate` (torch's FSDP2-based DDP) and its module class; the
+parameters of `fully_shard`, `replicate`, `FullyShardedDataParallel.__init__`
 and of every public method (parameters without a default are covered by the method's own row);
 the public methods of `FSDPModule`, `UnshardHandle` and `FullyShardedDataParallel` (those it adds
 to or overrides of `nn.Module`) and the public attributes of a `FullyShardedDataParallel`
@@ -77,6 +78,9 @@ CHECKS = {
     "f2.lists": (F2, "check_list_units"),
     "meta": (TL, "check_meta_init"),
     "sync": (TL, "check_summon_and_sync_module_states"),
+    "rp.torch": ("tests/test_replicate.py", "check_against_torch"),
+    "rp.options": ("tests/test_replicate.py", "check_options_against_torch"),
+    "rp.dims": ("tests/test_replicate.py", "check_dp_mesh_dims_against_torch"),
 }
 
 # (status, check key, note). The note says what a user needs to know: the meaning where it is not
@@ -155,6 +159,18 @@ ENTRIES: dict[str, tuple[str, str, str]] = {
                                   "each other, refused naming the parameter"),
     "fully_shard(module)": (TESTED, "f2.lists",
                             "a module, or a list of modules sharded as one unit"),
+    # ---- replicate (torch's FSDP2-based DDP) ----
+    "replicate": (TESTED, "rp.torch", "fsdp_ext.replicate: every rank holds the whole module, "
+                  "gradients all-reduced (averaged); parameters DTensors Replicate() on the "
+                  "1-D mesh"),
+    "ReplicateModule": (TESTED, "rp.torch", "fsdp_ext.ReplicateModule subclasses torch's "
+                        "(and fsdp_ext's FSDPModule): torch's pipelining stage drives it (test_pipelining.py)"),
+    "replicate(module)": (TESTED, "rp.torch", "a module, or a list of modules as one unit"),
+    "replicate(mesh)": (TESTED, "rp.torch", "1-D; default: every rank"),
+    "replicate(mp_policy)": (TESTED, "rp.options", ""),
+    "replicate(offload_policy)": (TESTED, "rp.options", ""),
+    "replicate(ignored_params)": (TESTED, "rp.options", ""),
+    "replicate(dp_mesh_dims)": (TESTED, "rp.dims", "replicate axes only, as torch's"),
     # ---- FSDPModule methods ----
     "FSDPModule.reshard": (TESTED, "f2.unshard", ""),
     "FSDPModule.unshard": (TESTED, "f2.unshard", ""),
@@ -454,6 +470,9 @@ def torch_names() -> list[str]:
     names += [f"wrap.{n}" for n, v in vars(tw).items()
               if not n.startswith("_") and getattr(v, "__module__", None) == tw.__name__]
     names += [f"fully_shard({p})" for p in inspect.signature(tf.fully_shard).parameters]
+    from torch.distributed._composable import replicate_with_fsdp as rw
+    names += ["replicate", "ReplicateModule"]
+    names += [f"replicate({p})" for p in inspect.signature(rw.replicate).parameters]
     for cls, skip in ((tf.FSDPModule, set()), (tf.UnshardHandle, set())):
         for name, fn in _methods(cls, skip).items():
             names.append(f"{cls.__name__}.{name}")
@@ -498,6 +517,8 @@ def _ours(key: str):
     import fsdp_ext
     if key.startswith("fully_shard("):
         return fsdp_ext.fully_shard
+    if key.startswith("replicate("):
+        return fsdp_ext.replicate
     if key.startswith(f"{_PRE}("):
         return fsdp_ext.FullyShardedDataParallel.__init__
     head = key.split("(")[0]
@@ -547,6 +568,8 @@ _SECTIONS = [
     ("`torch.distributed.fsdp` names", lambda k: k.startswith("fsdp.")),
     ("Wrap policies (`torch.distributed.fsdp.wrap`)", lambda k: k.startswith("wrap.")),
     ("`fully_shard` arguments", lambda k: k.startswith("fully_shard(")),
+    ("`replicate` (`torch.distributed._composable.replicate_with_fsdp`: FSDP2-based DDP)",
+     lambda k: k.startswith(("replicate", "ReplicateModule"))),
     ("`FSDPModule` / `UnshardHandle` methods",
      lambda k: k.startswith(("FSDPModule.", "UnshardHandle."))),
     ("`FullyShardedDataParallel` arguments", lambda k: k.startswith(f"{_PRE}(")),

@@ -26,7 +26,7 @@ def _reduction_groups(bucket, slot) -> tuple:
     where TP shards the parameter too (a TP-replicated parameter's gradient is the same on every
     TP rank: counted once)."""
     groups = (bucket.groups.shard,)
-    return groups if slot.parallel is None else groups + slot.parallel.norm_groups()
+    return groups + slot.placement.norm_groups()
 
 
 def _local_norm_terms(unit, norm_type: float) -> dict[tuple, tuple[tuple, torch.Tensor]]:

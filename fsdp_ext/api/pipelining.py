@@ -25,6 +25,7 @@ import inspect
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
+from torch.distributed._composable.replicate_with_fsdp import replicate as _torch_replicate
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from ..runtime.grads import reduce_accumulated
@@ -34,6 +35,7 @@ from ..runtime.registry import unit_of, units_with_paths
 # The key torch's `fully_shard.state(module)` reads: the undecorated function its `contract`
 # decorator closed over (found once, not at every fully_shard call).
 _TORCH_STATE_KEY = inspect.getclosurevars(_torch_fully_shard.state).nonlocals["func"]
+_TORCH_REPLICATE_KEY = inspect.getclosurevars(_torch_replicate.state).nonlocals["func"]
 
 
 class _ParamGroup:
@@ -97,3 +99,10 @@ def register(module: nn.Module) -> None:
     """Make torch's `fully_shard.state(module)` answer for fsdp_ext's unit of `module`."""
     states = module.__dict__.setdefault(_STATE_KEY, {})
     states[_TORCH_STATE_KEY] = _StageState(module)
+
+
+def register_replicate(module: nn.Module) -> None:
+    """The same for torch's `replicate.state(module)`, which the stage asks instead for a
+    ReplicateModule (stage.py ~1277)."""
+    states = module.__dict__.setdefault(_STATE_KEY, {})
+    states[_TORCH_REPLICATE_KEY] = states[_TORCH_STATE_KEY]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
 
 from torch import nn
 
@@ -35,11 +34,6 @@ def _bytes(n: int) -> str:
 
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _ranks(group) -> str:
-    """A process group's global ranks (None: this rank alone)."""
-    return f"ranks {dist.get_process_group_ranks(group)}" if group is not None else "this rank"
 
 
 def _dtype(d) -> str:
@@ -93,11 +87,8 @@ def _describe_unit(name: str, unit: Unit, paths: list[str]) -> tuple[list[str], 
             f"{len(layout.groups)} all-gather(s), {copied} param(s) copied out")
         lines.append(f"            per rank: sharded {_bytes(shard_bytes)}, unsharded "
                      f"{_bytes(full_bytes)} as {_dtype(full.dtype)}")
-        if bucket.groups is not unit.groups:  # shard_placement_fn gave these a mesh of their own
-            own = bucket.groups
-            lines.append(f"            on a mesh of their own: sharded over {_ranks(own.shard)}"
-                         + (f", replicated over {_ranks(own.replicate)}"
-                            if own.replicate is not None else ""))
+        lines += ["            " + line
+                  for line in bucket.slots[0].placement.describe(bucket.groups)]
         names = [slot.fqn if len(paths) == 1 else _joined(paths[slot.member], slot.fqn)
                  for slot in bucket.slots]
         width = max(map(len, names))

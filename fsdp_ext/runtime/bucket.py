@@ -21,7 +21,7 @@ is the only code that writes a module's `_parameters`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from .grad_state import BucketGrads
 from .layout import BucketLayout
 from .wire_quantized import with_policy
 from .offload import host_empty
+from .placement.base import Placement
 from .registry import record_replaced
 
 OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
@@ -47,7 +48,7 @@ class ParamSlot:
     locations: list[tuple[nn.Module, str]]     # tied weights have several
     shape: torch.Size                          # the shape sharded here (global, or TP-local)
     replaced: object = lambda: None            # weak reference to what `param` replaced, if any
-    parallel: object = None                    # how TP / EP split it first (model_parallel.py)
+    placement: Placement = field(default_factory=Placement)  # where it is sharded (placement/)
     member: int = 0                            # which of the unit's modules holds it (lists)
     shard_view: torch.Tensor | None = None     # its part of the shard (a subclass: its chunk)
     grad_view: torch.Tensor | None = None      # its part of the gradient shard

@@ -18,9 +18,9 @@ from . import comm, dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .placement.model_parallel import TensorParallel
+from .placement.base import Placement
+from .placement.choose import initial
 from .placement.shard_fn import resolve
-from .placement.spmd_params import parallel_of
 from .registry import unit_of
 from .wire import ExactWire
 from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
@@ -55,55 +55,45 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
                   direct_min_numel: int, ignored: set[int] = frozenset(),
                   shard_placement_fn=None, storage_axes=None) -> list[Bucket]:
     """Group the parameters this unit owns (in its modules, not in child units, nor the `ignored`
-    ids) by (mesh, dtype, requires_grad) and lay each group out ("flat" or "rows"; with a `mesh`,
-    rows are DTensors on it, each sharded along the dim, and over the mesh, that
-    `shard_placement_fn` gives: placements.py; a bucket on a mesh of its own talks to that
-    mesh's groups)."""
-    slots = _owned_slots(modules, layout, ignored, storage_axes)
+    ids) by (their placement's mesh, dtype, requires_grad, wire format) and lay each group out
+    ("flat" or "rows"; with a `mesh`, rows are DTensors on it, each sharded along the dim, and
+    over the mesh, that its placement gives: placement/; a bucket on a mesh of its own talks to
+    that mesh's groups)."""
+    def place(slot: ParamSlot, module: nn.Module) -> Placement:
+        subclass = is_extension_tensor(dtensor_params.local_of(slot.param))
+        if subclass:
+            _check_extension_param(slot, module, layout, mesh)
+        if layout != "rows":
+            return slot.placement
+        placed = resolve(shard_placement_fn, slot, module, subclass, mesh)
+        placed.check(f"parameter '{slot.fqn}' of {type(module).__name__}", storage_axes)
+        return placed
+
     by_key: dict[tuple, list[ParamSlot]] = {}
-    dims: dict[int, int] = {}  # id(slot) -> its shard dim (rows layout)
-    meshes: dict[object, object] = {}  # a parameter's own mesh (equal meshes: one key) -> itself
-    first_on: dict[object, str] = {}  # own mesh -> the first parameter on it (for errors)
-    for slot in slots:  # visit order: a module's own parameters, then its children's
+    for slot in _owned_slots(modules, layout, ignored, storage_axes, place):
         extension = is_extension_tensor(dtensor_params.local_of(slot.param))
-        if extension:
-            _check_extension_param(slot, modules[slot.member], layout, mesh)
-        own = None
-        if layout == "rows":
-            dim, own, parallel = resolve(shard_placement_fn, slot, modules[slot.member],
-                                         extension, mesh)
-            if parallel is not None:  # what its mesh-info's named axes say of it
-                slot = replace(slot, parallel=parallel)
-            if slot.parallel is not None:
-                slot.parallel.check(f"parameter '{slot.fqn}' of "
-                                    f"{type(modules[slot.member]).__name__}", storage_axes)
-            dims[id(slot)] = dim
-        if own is not None:
-            own = meshes.setdefault(own, own)
-            first_on.setdefault(own, f"fully_shard({type(modules[slot.member]).__name__}): "
-                                     f"parameter '{slot.fqn}'")
-        by_key.setdefault((own, slot.param.dtype,
-                           slot.param.requires_grad, extension), []).append(slot)
-    for slot in slots:
+        by_key.setdefault((slot.placement.mesh, slot.param.dtype, slot.param.requires_grad,
+                           extension), []).append(slot)
         mark_owner(slot.param, f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
-    buckets = []
-    bucket_groups = {key: _own_groups(m, groups, first_on[key])
-                     for key, m in meshes.items()}
-    for (mesh_key, dtype, requires_grad, extension), bucket_slots in by_key.items():
-        on = bucket_groups.get(mesh_key, groups)
-        bucket_mesh = meshes.get(mesh_key, mesh)
+    buckets, own_groups = [], {}
+    for (own, dtype, requires_grad, extension), bucket_slots in by_key.items():
+        on, bucket_mesh = groups, mesh
+        if own is not None:  # (equal meshes: one key, one set of groups)
+            first = bucket_slots[0]
+            on = own_groups.setdefault(own, _own_groups(
+                own, groups, f"fully_shard({type(modules[first.member]).__name__}): "
+                             f"parameter '{first.fqn}'"))
+            bucket_mesh = own
         world, rank = on.shard_size, on.shard_rank
         shapes = [tuple(s.shape) for s in bucket_slots]
         if layout == "flat":
             bucket_layout = flat_layout(shapes, world, rank)
         else:
             bucket_layout = rows_layout(shapes, world, rank, direct_min_numel,
-                                        [dims[id(s)] for s in bucket_slots])
+                                        [s.placement.dim for s in bucket_slots])
         spec_of = None
         if layout == "rows" and bucket_mesh is not None:
-            specs = [s.parallel.face_spec(bucket_mesh, dims[id(s)]) if s.parallel is not None
-                     else dtensor_params.spec(bucket_mesh, s.shape, dtype, dims[id(s)])
-                     for s in bucket_slots]
+            specs = [s.placement.face_spec(bucket_mesh, s.shape, dtype) for s in bucket_slots]
             spec_of = specs.__getitem__
         # The wire format, chosen here once (a CommPolicy may replace an exact one: wire.py)
         wire = SubclassWire() if extension else ExactWire()
@@ -139,10 +129,11 @@ def init_sharded_state(buckets: list[Bucket], device: torch.device, offload,
         bucket.init_gathered(device, param_dtype)
 
 
-def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int],
-                 storage_axes=None) -> list[ParamSlot]:
+def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int], storage_axes,
+                 place) -> list[ParamSlot]:
     """The distinct parameters of `modules` outside child units, in module order; a slot's name
-    is relative to the member that holds it (the first, for a parameter tied across members)."""
+    is relative to the member that holds it (the first, for a parameter tied across members);
+    its placement what its own spelling gives (placement/choose.py), then `place(slot, module)`."""
     slots: dict[int, ParamSlot] = {}
     child_owner: dict[int, str] = {}
     stack = [(module, "", member) for member, module in reversed(list(enumerate(modules)))]
@@ -166,14 +157,12 @@ def _owned_slots(modules: list[nn.Module], layout: str, ignored: set[int],
                     f"parameter '{fqn}' of {type(module).__name__} already belongs to the unit of "
                     f"{owner}; apply fully_shard bottom-up (submodules before their parents)")
             _check_param(param, fqn, module, layout)
-            if dtensor_params.is_dtensor(param):  # model parallel: shard its local tensor
-                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.to_local().shape,
-                                             parallel=_parallel(param, storage_axes, fqn, module),
-                                             member=member)
-            else:  # annotated on the storage mesh dp_mesh_dims names: maybe split there
-                slots[id(param)] = ParamSlot(param, fqn, [(mod, attr)], param.shape,
-                                             parallel=_parallel(param, storage_axes, fqn, module),
-                                             member=member)
+            # (a DTensor split by model parallelism: its local tensor is what is sharded here)
+            slot = ParamSlot(param, fqn, [(mod, attr)], dtensor_params.local_of(param).shape,
+                             placement=initial(param, storage_axes, f"fully_shard("
+                                               f"{type(module).__name__}): parameter '{fqn}'"),
+                             member=member)
+            slots[id(param)] = replace(slot, placement=place(slot, module))
         for name, child in reversed(list(mod._modules.items())):
             if child is None:
                 continue
@@ -207,18 +196,6 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
             "give it shape [1], or leave it out of the sharded module")
 
 
-def _parallel(param, storage_axes, fqn: str, module: nn.Module):
-    """How model parallelism split a parameter (model_parallel.py): as the storage mesh
-    `storage_axes` names says (mesh, shard axis names, replicate axis names; fully_shard's
-    dp_mesh_dims: a DTensor on it, or a plain tensor's annotations there), else a DTensor on a
-    tensor-parallel mesh of its own, or nothing (a plain tensor)."""
-    if storage_axes is not None and (not dtensor_params.is_dtensor(param)
-                                     or param.device_mesh == storage_axes[0]):
-        return parallel_of(param, *storage_axes,
-                           f"fully_shard({type(module).__name__}): parameter '{fqn}'")
-    return TensorParallel(param._spec) if dtensor_params.is_dtensor(param) else None
-
-
 def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:
     """What a tensor-subclass parameter needs (wire_subclass.py), refused at the call otherwise."""
     where = f"parameter '{slot.fqn}' of {type(module).__name__}"
@@ -231,10 +208,9 @@ def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh
             "parameters into one buffer, which a subclass cannot join (torch's FSDP1 cannot "
             "either); shard the model with fully_shard, which gathers it through its "
             "fsdp_pre_all_gather / fsdp_post_all_gather hooks")
-    if slot.parallel is not None:
-        raise NotImplementedError(
-            f"{where} is a tensor-parallel DTensor over a {kind}: fully_shard gathers tensor "
-            "subclasses on a 1-D data-parallel mesh only")
+    slot.placement.require_whole(lambda: NotImplementedError(
+        f"{where} is a tensor-parallel DTensor over a {kind}: fully_shard gathers tensor "
+        "subclasses on a 1-D data-parallel mesh only"))
     if mesh is None:
         raise NotImplementedError(
             f"{where} is a {kind} (a tensor subclass): gathering it through its hooks needs a "

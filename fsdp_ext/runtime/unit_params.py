@@ -190,9 +190,9 @@ class UnitParams:
 
 
 def _tp(view: torch.Tensor, slot) -> torch.Tensor:
-    """What the module computes with over the gathered view (tensor or expert parallel: its
-    compute view, model_parallel.py), marked as a parameter."""
-    tensor = view if slot.parallel is None else slot.parallel.compute_view(view)
+    """What the module computes with over the gathered view (its placement's compute view:
+    placement/), marked as a parameter."""
+    tensor = slot.placement.compute_view(view)
     # `isinstance(t, nn.Parameter)` answers True, as for torch's gathered parameters, with no
     # copy (nn.Parameter's own test for tensor subclasses made parameters; `get_parameter`,
     # hooks and adapters that inspect modules in forward rely on it).

@@ -17,8 +17,8 @@ from .names import unwrapped_name
 def expected_shapes(module: nn.Module) -> dict[str, torch.Size]:
     """Every state-dict key of `module` and the global shape of its value."""
     shapes = {}
-    original = {id(slot.param): slot.shape for unit in units_of(module) for bucket in unit.buckets
-                for slot in bucket.slots if slot.parallel is None}
+    original = {id(slot.param): slot.placement.global_shape(slot.shape)
+                for unit in units_of(module) for bucket in unit.buckets for slot in bucket.slots}
     for name, param in module.named_parameters(remove_duplicate=False):
         shapes[unwrapped_name(name)] = original.get(id(param), param.shape)
     for prefix, sub in module.named_modules(remove_duplicate=False):

@@ -61,10 +61,9 @@ def _local_part(bucket, index: int, value, key: str) -> torch.Tensor:
     """This rank's elements of `value` (full tensor, or flattened ShardedTensor of the flat
     layout) for parameter `index`, flattened."""
     slot = bucket.slots[index]
-    if slot.parallel is not None:
-        raise ValueError(f"{key}: a tensor-parallel parameter loads from a DTensor state dict "
-                         "(model.state_dict(), DCP) or torch's set_model_state_dict, not from "
-                         f"a {type(value).__name__}")
+    slot.placement.require_whole(lambda: ValueError(
+        f"{key}: a tensor-parallel parameter loads from a DTensor state dict (model.state_dict(), "
+        f"DCP) or torch's set_model_state_dict, not from a {type(value).__name__}"))
     if isinstance(value, ShardedTensor):
         size = list(value.metadata().size)  # (not .size(): ShardedTensor's tensor ops warn)
         if bucket.layout.kind != "flat" or size != [slot.numel]:

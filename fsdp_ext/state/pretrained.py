@@ -127,10 +127,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRes
     for unit in units:
         for bucket in unit.buckets:
             for slot in bucket.slots:
-                if slot.parallel is not None:
-                    raise NotImplementedError(
-                        f"load_pretrained: parameter '{slot.fqn}' of unit '{unit.name or '<root>'}' "
-                        "is tensor-parallel; load it with torch.distributed.checkpoint instead")
+                slot.placement.require_whole(lambda: NotImplementedError(
+                    f"load_pretrained: parameter '{slot.fqn}' of unit '{unit.name or '<root>'}' "
+                    "is tensor-parallel; load it with torch.distributed.checkpoint instead"))
                 if slot.param.is_meta or bucket.shard.is_meta:
                     raise ValueError(
                         f"load_pretrained: parameter '{slot.fqn}' of unit '{unit.name or '<root>'}' "

@@ -133,8 +133,7 @@ def _fill_full(unit, module: nn.Module, state_dict: dict, prefix: str,
                 continue  # another module's of a list unit: gathered at that module's hook
             tensors = gather_bucket(unit, bucket, bucket.shard)  # every rank takes part
             for slot, tensor in zip(bucket.slots, tensors):
-                if slot.parallel is not None:  # gathered over data parallel: TP's local tensor
-                    tensor = slot.parallel.full_tensor(tensor)
+                tensor = slot.placement.full_tensor(tensor)  # (TP's local part: the whole)
                 tensor = tensor.cpu() if settings.cpu_offload and keep else tensor
                 for key in keys[id(slot)]:
                     if prefix + key in state_dict:

@@ -57,10 +57,10 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
         for unit in _units(model, recurse):
             unit.wait_unshard()
             for bucket in unit.buckets:
-                if any(slot.parallel is not None for slot in bucket.slots):
-                    raise NotImplementedError(
+                for slot in bucket.slots:
+                    slot.placement.require_whole(lambda: NotImplementedError(
                         f"summon_full_params: unit '{unit.name or '<root>'}' holds tensor-parallel "
-                        "parameters; use DTensor.full_tensor() on them instead")
+                        "parameters; use DTensor.full_tensor() on them instead"))
                 tensors = gather_bucket(unit, bucket, bucket.shard)
                 grads = _gather_grads(unit, bucket) if with_grads else None
                 if offload_to_cpu:

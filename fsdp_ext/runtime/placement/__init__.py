@@ -1,11 +1,15 @@
 """Where each parameter of a unit is placed: along which dim of the tensor it holds here, over which
-mesh, and what model parallelism did to it first.
+mesh, and what model parallelism did to it first. One object per parameter (`ParamSlot.placement`)
+answers every question the runtime, the state paths and the diagnostics ask about it; nothing
+outside this folder asks which kind it is (tests/test_layering.py checks).
 
-Files: shard_fn.py reads fully_shard's `shard_placement_fn` (Shard(dim), torch's
-ShardPlacementResult, fsdp_ext's MeshPlacement); model_parallel.py holds the parameters that
-tensor or expert parallelism split before fully_shard (a DTensor on its own TP / EP mesh, an
-annotated plain tensor, a DTensor on the whole storage mesh); spmd_params.py reads a plain
-tensor's spmd_types annotations on the storage mesh `dp_mesh_dims` names.
+Files: base.py, the protocol and the plain parameter (`Placement`); model_parallel.py, the
+parameters that tensor or expert parallelism split before fully_shard (a DTensor on its own TP /
+EP mesh, an annotated plain tensor, a DTensor on the whole storage mesh); spmd_params.py, a plain
+tensor's spmd_types annotations on the storage mesh `dp_mesh_dims` names; choose.py, the
+placement a parameter's own spelling gives it; replicated.py, a parameter whole on every rank of
+a mesh (`replicate`); shard_fn.py, fully_shard's `shard_placement_fn`
+(Shard(dim), torch's ShardPlacementResult, fsdp_ext's MeshPlacement) applied to it.
 
-May import: runtime modules below the unit (dtensor_params, comm), ops.
+May import: runtime modules below the unit (dtensor_params), torch.
 """

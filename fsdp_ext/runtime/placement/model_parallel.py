@@ -12,10 +12,11 @@ parameter arrives is one class; the runtime and the state paths ask it, never wh
                      that mesh, and its gradient keeps the data-parallel placements it comes
                      with (Partial: the reduce-scatter sums them) as torch's fully_shard keeps them
 
-What each answers: `face_spec` (the sharded parameter's DTensor spec, as torch's fully_shard builds
-it), `compute_view` (what the module computes with, over the gathered local tensor),
-`full_tensor` (the global value from the gathered local tensor), `norm_groups` (over which groups
-a rank's part of the gradient is summed for a norm, besides the data-parallel ones).
+Each is a Placement (base.py) and answers its questions: `face_spec` (the sharded parameter's
+DTensor spec, as torch's fully_shard builds it), `compute_view` (what the module computes with,
+over the gathered local tensor), `full_tensor` (the global value from the gathered local tensor),
+`norm_groups` (over which groups a rank's part of the gradient is summed for a norm, besides the
+data-parallel ones); all refuse `require_whole` (a rank's gathered tensor is its part).
 """
 from __future__ import annotations
 
@@ -26,11 +27,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .base import Placement
 
-class TensorParallel:
+
+class ModelParallel(Placement):
+    """What every model-parallel spelling shares: a DTensorSpec `spec` of the parameter as the
+    module sees it, whose global shape is the state dict's."""
+
+    spec: DTensorSpec
+
+    def global_shape(self, local_shape: torch.Size) -> torch.Size:
+        return self.spec.tensor_meta.shape
+
+    def require_whole(self, refusal) -> None:
+        raise refusal()
+
+
+class TensorParallel(ModelParallel):
     """A DTensor on a 1-D TP / EP mesh; `spec` is its (the module's) DTensorSpec."""
-
-    hybrid_own_mesh = False  # its data-parallel mesh is 1-D: face_spec concatenates it with TP's
 
     def __init__(self, spec: DTensorSpec):
         self.spec = spec
@@ -50,7 +64,14 @@ class TensorParallel:
                 "shards tensor-parallel parameters of a 1-D TP mesh, or DTensors on the storage "
                 "mesh dp_mesh_dims names")
 
-    def face_spec(self, dp_mesh: DeviceMesh, dim: int) -> DTensorSpec:
+    def check_own_mesh(self, mesh, where: str) -> None:
+        """Its data-parallel mesh is 1-D: face_spec concatenates it with TP's."""
+        if mesh.ndim == 2:
+            raise NotImplementedError(f"{where} puts a tensor- or expert-parallel parameter on a "
+                                      "2-D (replicate, shard) mesh of its own: fsdp_ext shards "
+                                      "such parameters over a 1-D data-parallel mesh")
+
+    def face_spec(self, dp_mesh: DeviceMesh, shape=None, dtype=None) -> DTensorSpec:
         """Sharded along `dim` of the local tensor on `dp_mesh`: the (dp, tp) mesh, the dp
         placement first. Where TP itself shards `dim`, chunking its local part is a strided
         shard of the global one (EP's experts: Shard(0) over ep, then again over efsdp)."""
@@ -58,6 +79,7 @@ class TensorParallel:
             raise NotImplementedError("fully_shard with tensor parallelism: 1-D data-parallel and "
                                       f"TP meshes only (got {dp_mesh.ndim}-D and "
                                       f"{self.spec.mesh.ndim}-D)")
+        dim = self.dim
         split = self.spec.num_shards_map[dim]
         dp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         return DTensorSpec(DeviceMesh._concatenate([dp_mesh, self.spec.mesh]),
@@ -115,12 +137,10 @@ class _SumGradient(torch.autograd.Function):
         return grad, None
 
 
-class OnStorageMesh:
+class OnStorageMesh(ModelParallel):
     """A DTensor on the whole storage mesh, whose axes at `data_parallel` (indices) fsdp_ext
     shards over: the `shard_axes` (none: replicate only; several: flattened into one, as torch's
     fully_shard flattens them) sharded, the replicate axes left Replicate."""
-
-    hybrid_own_mesh = True  # replicate axes of its storage mesh stay Replicate in face_spec
 
     def __init__(self, spec: DTensorSpec, shard_axes: tuple[int, ...],
                  data_parallel: frozenset[int]):
@@ -129,7 +149,7 @@ class OnStorageMesh:
     def check(self, where: str, storage_axes) -> None:
         """(on_storage_mesh checked it against the storage mesh.)"""
 
-    def face_spec(self, dp_mesh: DeviceMesh, dim: int) -> DTensorSpec:
+    def face_spec(self, dp_mesh: DeviceMesh, shape=None, dtype=None) -> DTensorSpec:
         """Shard(dim) on the shard axis, strided where an axis after it shards `dim` too, as
         torch's fully_shard places it. One shard axis: on the storage mesh itself. Several: on
         the storage mesh with those axes replaced by the unit's data-parallel mesh `dp_mesh`
@@ -137,7 +157,7 @@ class OnStorageMesh:
         mesh, placements = self.spec.mesh, list(self.spec.placements)
         if not self.shard_axes:
             return self.spec
-        first = self.shard_axes[0]
+        first, dim = self.shard_axes[0], self.dim
         split = 1
         for axis in range(first + 1, mesh.ndim):
             p = placements[axis]

@@ -13,6 +13,8 @@ read as torch's fully_shard reads it.
                                      other axis, e.g. `ep`, the parameter's annotation or
                                      placements describe: spmd_params.py, model_parallel.py)
     MeshPlacement(p, mesh)           the same without torch's internals: a 1-D or 2-D DeviceMesh
+    a Placement object               used as it is (base.py; `replicate` gives each parameter
+                                     replicated.Replicated)
 
 A unit's parameters on other meshes form buckets of their own (param_buckets.py), gathered and
 reduced over their mesh's groups. Refused at the call, naming the parameter: a dim out of range;
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from .base import Placement
 from .spmd_params import parallel_of
 
 
@@ -45,15 +48,20 @@ class MeshPlacement:
     mesh: object
 
 
-def resolve(shard_placement_fn, slot, module, subclass: bool,
-            unit_mesh) -> tuple[int, object, object]:
-    """(the shard dim, the mesh, None for the unit's, and how model parallelism split the
-    parameter as its mesh-info's named SPMD axes say, or None: spmd_params.py) of `slot`'s
-    parameter (of `module`)."""
+def resolve(shard_placement_fn, slot, module, subclass: bool, unit_mesh) -> Placement:
+    """The placement of `slot`'s parameter (of `module`), whose own spelling gave
+    `slot.placement`: sharded along the dim, over the mesh (None: the unit's), that
+    `shard_placement_fn` gives it; a mesh-info's named SPMD axes may say how model parallelism
+    split it (spmd_params.py)."""
     if shard_placement_fn is None:
-        return 0, None, None
+        return slot.placement
     where = f"fully_shard({type(module).__name__}): shard_placement_fn for parameter '{slot.fqn}'"
     result = shard_placement_fn(slot.param)
+    if isinstance(result, Placement):  # a placement object (replicate's): used as it is
+        slot.placement.require_whole(lambda: NotImplementedError(
+            f"{where} returned {type(result).__name__}, which places plain parameters; this one "
+            "is split by tensor or expert parallelism"))
+        return result
     placement, mesh, parallel = result, None, None
     if type(result).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh_info)
         placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
@@ -77,12 +85,10 @@ def resolve(shard_placement_fn, slot, module, subclass: bool,
         raise NotImplementedError(f"{where} asks for Shard({dim}) on a mesh of its own or a "
                                   "dim > 0: a tensor-subclass parameter is sharded along dim 0 "
                                   "over the unit's mesh only")
-    split = parallel or slot.parallel
-    if mesh is not None and mesh.ndim == 2 and split is not None and not split.hybrid_own_mesh:
-        raise NotImplementedError(f"{where} puts a tensor- or expert-parallel parameter on a 2-D "
-                                  "(replicate, shard) mesh of its own: fsdp_ext shards such "
-                                  "parameters over a 1-D data-parallel mesh")
-    return dim, mesh, parallel
+    chosen = parallel or slot.placement
+    if mesh is not None:
+        chosen.check_own_mesh(mesh, where)
+    return chosen.placed(dim, mesh)
 
 
 def _dim(placement, slot, where: str) -> int:
