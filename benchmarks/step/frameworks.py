@@ -21,6 +21,9 @@ and fsdp_ext with a CommPolicy (fewer bytes on the wire, runtime/comm_policy.py)
     fsdp_ext-int8w        int8 parameter all-gathers
     fsdp_ext-int8w-int8g  int8 parameter all-gathers and int8 all-to-all gradient reduction
     fsdp_ext-fp8w-bf16g   fp8 parameter all-gathers, bf16 gradient reduction
+and DDP as FSDP2's placements make it (every rank holds the whole model):
+    fsdp_ext-replicate  fsdp_ext.replicate per block, then the root
+    torch-replicate     torch's replicate (torch.distributed._composable.replicate_with_fsdp)
 and torch.compile (inductor) variants: NAME+compile compiles the whole wrapped model (fsdp_ext,
 fsdp2, local), fsdp_ext+unit-compile each block's forward.
 """
@@ -168,6 +171,27 @@ def _wrap_fsdp2(model, device, options):
     return fully_shard(model, mesh=mesh)
 
 
+def _wrap_replicate(replicate):
+    def wrapped(model, device, options):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),),
+                                mesh_dim_names=("replicate",))
+        for layer in model.layers:
+            replicate(layer, mesh=mesh)
+        return replicate(model, mesh=mesh)
+    return wrapped
+
+
+def _fsdp_ext_replicate(module, **kw):
+    import fsdp_ext
+    return fsdp_ext.replicate(module, **kw)
+
+
+def _torch_replicate(module, **kw):
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    return replicate(module, **kw)
+
+
 def _compiled(wrap, per_unit: bool = False):
     """torch.compile (inductor) of the wrapped model, or (per_unit) of each block's forward."""
     def compiled(model, device, options):
@@ -190,6 +214,8 @@ WRAPPERS = {"fsdp_ext": _wrap_fsdp_ext, "ddp": _wrap_ddp,
             "fsdp_ext-int8w": _wrap_fsdp_ext_policy(param_gather="int8"),
             "fsdp_ext-int8w-int8g": _wrap_fsdp_ext_policy(param_gather="int8", grad_reduce="int8"),
             "fsdp_ext-fp8w-bf16g": _wrap_fsdp_ext_policy(param_gather="fp8", grad_reduce="bf16"),
+            "fsdp_ext-replicate": _wrap_replicate(_fsdp_ext_replicate),
+            "torch-replicate": _wrap_replicate(_torch_replicate),
             "fsdp_ext+compile": _compiled(_wrap_fsdp_ext),
             "fsdp_ext+unit-compile": _compiled(_wrap_fsdp_ext, per_unit=True),
             "fsdp2+compile": _compiled(_wrap_fsdp2),
