@@ -9,6 +9,9 @@ Layers, each a subpackage that imports only those below it (tests/test_layering.
     diagnostics  describe, memory report, timeline, input and optimizer checks
     runtime      units, buckets, schedule and prefetch, collectives, gradient path
     ops          the kernels' entry points (C++ / CUDA / Triton / torch reference)
+
+and below them all, importing nothing of fsdp_ext: env.py (every environment variable fsdp_ext
+reads, read there only) and shutdown.py (process exit helpers).
 """
 # torch's own option types, enums and policies, exported as they are: a script passes the same
 # objects whichever package it imports them from (fsdp_ext/api/options.py reads them)

@@ -189,12 +189,12 @@ def record_worker(rank: int, world_size: int, out_dir: str) -> None:
     and off."""
     import fsdp_ext
     from fsdp_ext.diagnostics.stream_check import stream_check
-    from fsdp_ext.runtime.env import CHECK as CHECK_ENV
+    from fsdp_ext.env import CHECK as CHECK_ENV
     from fsdp_ext.runtime.trace import RECORDER
     from models import GPT, GPTConfig
 
     for mode in ("on", "sync", "off"):
-        os.environ[CHECK_ENV] = mode  # read at each fully_shard (runtime/env.py)
+        os.environ[CHECK_ENV] = mode  # read at each fully_shard (fsdp_ext/env.py)
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=53, block_size=8, n_layer=2, n_head=2, d_model=16))
         for block in model.blocks:

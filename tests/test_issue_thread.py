@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext import ops
-from fsdp_ext.runtime import comm, env, process_groups
+from fsdp_ext import env
+from fsdp_ext.runtime import comm, process_groups
 
 from .dist_utils import on_world_and_last_two, run_distributed
 from .parity import cases_for, run_case
@@ -66,7 +67,7 @@ def test_bad_arguments_are_refused_on_the_calling_thread():
 
 
 def _parity_without_the_thread(rank: int, world_size: int) -> None:
-    os.environ[env.ISSUE_THREAD] = "0"  # read at each fully_shard (runtime/env.py)
+    os.environ[env.ISSUE_THREAD] = "0"  # read at each fully_shard (fsdp_ext/env.py)
     for case in cases_for(world_size):
         run_case(case, rank, world_size)
     assert not process_groups._ISSUE_GROUP_CACHE, "the issue thread was used although switched off"

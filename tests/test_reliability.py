@@ -20,7 +20,7 @@ from torch import nn
 import fsdp_ext
 from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import stream_check
-from fsdp_ext.runtime.env import CHECK as CHECK_ENV
+from fsdp_ext.env import CHECK as CHECK_ENV
 
 from .dist_utils import run_distributed
 from .proc_launch import Ranks

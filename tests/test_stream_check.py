@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
 from fsdp_ext.runtime import collective_tags, comm, streams
-from fsdp_ext.runtime.env import CHECK as CHECK_ENV
+from fsdp_ext.env import CHECK as CHECK_ENV
 from fsdp_ext.runtime import unit as unit_module
 from fsdp_ext.runtime.host_reads import HostReads
 from fsdp_ext.runtime.unit_state import ShardedState

@@ -118,7 +118,8 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
 
 def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
     """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
-    from fsdp_ext.runtime import comm, env, process_groups
+    from fsdp_ext import env
+    from fsdp_ext.runtime import comm, process_groups
     rank, world = dist.get_rank(), dist.get_world_size()
     group = (process_groups.issue_thread_group(dist.group.WORLD)
              if comm.Streams(torch.device("cpu"), None, env.read().issue_thread).issue_thread

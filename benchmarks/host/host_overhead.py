@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext import exit_without_finalization
-from fsdp_ext.runtime import env
+from fsdp_ext import env
 
 from ..common import (RESULTS, command, init_rank, launch, machine, machine_line, markdown_table,
                       write_results)
@@ -41,7 +41,7 @@ def _chain(name: str, d: int, units: int, x: torch.Tensor):
         return build_chain(d, 1, units)
     if name == "fsdp2":
         return shard_chain_fsdp2(d, 1, units, 0, 0.0)
-    # The setting is read at each fully_shard (runtime/env.py).
+    # The setting is read at each fully_shard (fsdp_ext/env.py).
     previous = os.environ.get(env.ISSUE_THREAD)
     os.environ[env.ISSUE_THREAD] = "0" if name == "fsdp_ext inline" else "1"
     try:

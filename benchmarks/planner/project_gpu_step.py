@@ -37,7 +37,7 @@ from fsdp_ext.diagnostics import gpu_projection
 from fsdp_ext.diagnostics.launch_trace import LaunchRecorder, LaunchTrace
 from fsdp_ext.diagnostics.stream_check import stream_check
 from fsdp_ext.planner.comm_model import H100, RING_FORMULAS
-from fsdp_ext.runtime.env import CHECK as CHECK_ENV
+from fsdp_ext.env import CHECK as CHECK_ENV
 
 from ..common import (RESULTS, command, init_rank, launch, machine, machine_line, markdown_table,
                       write_results)

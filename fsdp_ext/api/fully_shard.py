@@ -10,7 +10,8 @@ from torch import nn
 
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
-from ..runtime import comm, env, process_groups, storage_cache, streams
+from .. import env
+from ..runtime import comm, process_groups, storage_cache, streams
 from ..runtime.comm_policy import check_policy
 from ..runtime.registry import UNIT_ATTR, name_replaced_from, unit_of
 from . import pipelining
@@ -183,7 +184,7 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
     """fully_shard's work, for both public APIs: `config` holds the user's options, already read
     (api/options.py), its `layout` "rows" (fully_shard: DTensor parameters) or "flat"
     (FullyShardedDataParallel: FSDP1's flat views); its groups are made here from `mesh` or
-    `process_group`, and the environment read here, once (runtime/env.py).
+    `process_group`, and the environment read here, once (fsdp_ext/env.py).
     `config.direct_min_numel` (rows: which parameters are gathered directly,
     runtime/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
     members = _members(module)

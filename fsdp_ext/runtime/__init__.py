@@ -7,7 +7,7 @@ unit_checks.py), a unit's parameters as a whole and what the modules hold (unit_
 the forward uses whose backward is still to come: backward_uses.py),
 parameters that `to_empty`, `.to` or `load_state_dict(assign=True)` replaced (adopt.py), methods
 registered to run forward (forward_methods.py), what a unit is built with (unit_config.py, the
-environment read once: env.py; the options a root's schedule reads: schedule_options.py), which
+environment read once: fsdp_ext/env.py; the options a root's schedule reads: schedule_options.py), which
 parameters a unit owns and its buckets (param_buckets.py; bucket.py, the one owner of a bucket's
 tensors; grad_state.py, what its gradient path keeps across micro-batches), where and over which
 mesh each parameter is sharded (placement/, its own file map; groups.py), what each bucket puts on the wire and

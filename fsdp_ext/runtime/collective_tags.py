@@ -15,7 +15,7 @@ every rank, the collective it was at. Why the tag is a collective of its own: do
 "Tags beside the data". A rank whose peers stopped issuing collectives is named by the peer watch
 (peer_watch.py): the tags tell it which collective this rank waits on.
 
-`FSDP_EXT_CHECK=off` (env.py) turns the tags off; it exists to measure what they cost
+`FSDP_EXT_CHECK=off` (fsdp_ext/env.py) turns the tags off; it exists to measure what they cost
 (docs/benchmarks.md). `FSDP_EXT_CHECK=sync` checks every tag on the host where its data is waited
 for, on accelerators too (the earliest error, at the price of the host syncs below). After a
 CollectiveMismatchError the process group may hold mismatched collectives in flight: the run cannot
@@ -199,7 +199,7 @@ class CollectiveChecker:
 
     def __init__(self, device: torch.device, timeout: datetime.timedelta | None = None,
                  side_streams: bool = False, mode: str = "on"):
-        """`mode`: FSDP_EXT_CHECK as env.py read it: "on", "off", or "sync" (every tag checked on
+        """`mode`: FSDP_EXT_CHECK as fsdp_ext/env.py read it: "on", "off", or "sync" (every tag checked on
         the host where its data is waited for, also on accelerators)."""
         self.device, self.timeout, self.side_streams = device, timeout, side_streams
         self.enabled = mode != "off"

@@ -46,7 +46,7 @@ class DefaultTimeout(datetime.timedelta):
 def collective_timeout(seconds: float | datetime.timedelta | None = None,
                        environment: str | None = None) -> datetime.timedelta | None:
     """How long a wait on one of our collectives may block: the argument, else `environment`
-    (FSDP_EXT_COLLECTIVE_TIMEOUT_S as env.py read it), else 300 s (a DefaultTimeout; well under
+    (FSDP_EXT_COLLECTIVE_TIMEOUT_S as fsdp_ext/env.py read it), else 300 s (a DefaultTimeout; well under
     the process group's own timeout: 30 min for gloo, 10 min for NCCL, so that the runtime,
     which knows the units and the other ranks' progress, reports first). A peer that stopped
     issuing collectives (stuck, dead, or in a different branch) becomes a CollectiveError naming

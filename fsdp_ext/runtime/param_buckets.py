@@ -28,7 +28,7 @@ from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
 # fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
 # elements are gathered directly, the rest together and copied out. Chosen by measurement:
 # docs/benchmarks.md, "Gathering DTensor parameters". The option of shard_module, else
-# FSDP_EXT_DIRECT_MIN_NUMEL (env.py), overrides it (1: every parameter direct; a huge value:
+# FSDP_EXT_DIRECT_MIN_NUMEL (fsdp_ext/env.py), overrides it (1: every parameter direct; a huge value:
 # every one copied out).
 DIRECT_MIN_NUMEL = 1 << 16
 

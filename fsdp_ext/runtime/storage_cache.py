@@ -22,7 +22,7 @@ if ops.HAVE_EXTENSION:
     from .. import _C
 
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
-ENABLED = ops.HAVE_EXTENSION  # FSDP_EXT_STORAGE_CACHE=0 (env.py) turns it off: set_enabled
+ENABLED = ops.HAVE_EXTENSION  # FSDP_EXT_STORAGE_CACHE=0 (fsdp_ext/env.py) turns it off: set_enabled
 
 
 def set_enabled(enabled: bool) -> None:

@@ -83,7 +83,7 @@ class DeviceStreams:
 
 _backend = DeviceStreams()
 # Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test knob for
-# `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, read by env.py): a late collective exposes
+# `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, read by fsdp_ext/env.py): a late collective exposes
 # a missing wait or an early free on a real GPU.
 _delay_cycles = 0
 

@@ -1,6 +1,6 @@
 """What a unit is built with: the user's arguments to fully_shard / FullyShardedDataParallel, read
 once by the API (api/options.py reads torch's option objects) together with the environment
-(env.py), frozen. A unit keeps it for its life; what torch lets a user change later (the
+(fsdp_ext/env.py), frozen. A unit keeps it for its life; what torch lets a user change later (the
 FSDPModule setters) lives in the unit's own fields, initialised from it, and in the root's
 ScheduleOptions (schedule_options.py), which this record hands over as built.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .comm import Groups
 from .comm_policy import CommPolicy
-from .env import Environment
+from ..env import Environment
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import CPUOffloadPolicy
 from .schedule_options import ScheduleOptions
