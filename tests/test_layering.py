@@ -616,6 +616,28 @@ def test_no_caller_tests_a_placement_kind(tmp_path):
     assert planted == set(OLD_PLACEMENT_BRANCHES), sorted(set(OLD_PLACEMENT_BRANCHES) - planted)
 
 
+# Every environment variable is read in fsdp_ext/env.py (its docstring lists them, with whether a
+# call or the process reads it): nowhere else reads os.environ or os.getenv.
+def environment_reads(root: str = PACKAGE_DIR) -> list[str]:
+    found = []
+    for rel, source in package_files(root).items():
+        if rel == "env.py":
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_every_environment_variable_is_read_in_env_py(tmp_path):
+    assert environment_reads() == []
+    copy = tmp_path / "fsdp_ext"
+    shutil.copytree(PACKAGE_DIR, copy)
+    with open(copy / "ops" / "__init__.py", "a") as f:
+        f.write("\n\ndef _planted():\n    import os\n    return os.environ.get('X')\n")
+    assert [f.split(": ", 1)[1] for f in environment_reads(str(copy))] == ["os.environ"]
+
+
 MAX_RUNTIME_FILE_LINES = 350  # small single-purpose files: one that grows past this splits
 
 

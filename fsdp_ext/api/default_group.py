@@ -13,13 +13,9 @@ only start where no launcher exists, so it is never a silent replacement for a s
 """
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
-# Set by torchrun (and by torch.distributed.launch, mpirun wrappers that export them, SLURM scripts
-# written for env:// rendezvous): any of them means more than one process may be running.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
+from .. import env
 
 # torch's own message (torch.distributed.distributed_c10d._get_default_group), which FSDP1 raises.
 NO_DEFAULT_GROUP = ("Default process group has not been initialized, please make sure to call "
@@ -27,8 +23,8 @@ NO_DEFAULT_GROUP = ("Default process group has not been initialized, please make
 
 
 def launched() -> bool:
-    """True when a launcher's variables are in the environment."""
-    return any(name in os.environ for name in LAUNCHER_VARIABLES)
+    """True when a launcher's variables are in the environment (fsdp_ext/env.py)."""
+    return env.launched()
 
 
 def ensure_for_fully_shard() -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision,
                                     StateDictSettings, StateDictType)
 
+from .. import env
 from ..runtime.registry import unit_of, units_of
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.unit_config import UnitConfig
@@ -30,11 +31,9 @@ from .wrap import apply_auto_wrap
 
 def _hybrid_mesh(device_type: str):
     """(replicate, shard) mesh: shard within a node (LOCAL_WORLD_SIZE ranks), replicate across."""
-    import os
-
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = env.local_world_size(world)
     if world % local:
         raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
     return init_device_mesh(device_type, (world // local, local), mesh_dim_names=("replicate", "shard"))

@@ -210,8 +210,6 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
     check_mesh_and_groups(members[0], mesh, process_group)
     install_step_check()  # an optimizer built before this call is caught at its first step
     environment = env.read()  # the one read of the environment for this unit
-    storage_cache.set_enabled(environment.storage_cache)
-    streams.set_side_stream_delay(environment.side_stream_delay_cycles)
     reshard_after_forward = config.reshard_after_forward
     groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):

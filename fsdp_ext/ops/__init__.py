@@ -14,12 +14,12 @@ May import: nothing of fsdp_ext but the compiled `fsdp_ext._C`. Every layer abov
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Sequence
 
 import torch
 
+from .. import env
 from . import checks, reference
 
 try:
@@ -34,7 +34,7 @@ _warned = False
 
 
 def default_backend(device: torch.device) -> str:
-    forced = os.environ.get("FSDP_EXT_BACKEND")
+    forced = env.process().backend
     if forced:
         return forced
     if HAVE_EXTENSION:

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from .. import env, ops
 from . import streams
 
 if ops.HAVE_EXTENSION:
     from .. import _C
 
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
-ENABLED = ops.HAVE_EXTENSION  # FSDP_EXT_STORAGE_CACHE=0 (fsdp_ext/env.py) turns it off: set_enabled
-
-
-def set_enabled(enabled: bool) -> None:
-    """Process-wide, as the cache is: set at each fully_shard from the environment."""
-    global ENABLED
-    ENABLED = ops.HAVE_EXTENSION and enabled
+# Process-wide, as the cache is: FSDP_EXT_STORAGE_CACHE=0 turns it off (fsdp_ext/env.py, read
+# once per process).
+ENABLED = ops.HAVE_EXTENSION and env.process().storage_cache
 
 
 def _cached(device: torch.device, nbytes: int) -> bool:

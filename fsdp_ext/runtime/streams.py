@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from .. import env
+
 
 
 class DeviceStreams:
@@ -61,8 +63,12 @@ class DeviceStreams:
         return event.query()
 
     def inject_delay(self, stream) -> None:
-        if _delay_cycles and stream.device.type == "cuda":
-            torch.cuda._sleep(_delay_cycles)  # queued on the current stream: `stream`
+        # Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test
+        # knob for `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, fsdp_ext/env.py): a late
+        # collective exposes a missing wait or an early free on a real GPU.
+        cycles = env.process().side_stream_delay_cycles
+        if cycles and stream.device.type == "cuda":
+            torch.cuda._sleep(cycles)  # queued on the current stream: `stream`
 
     def iteration_started(self, owner: object, iteration: int) -> None:
         pass  # (the stream-order model counts host syncs per steady-state step)
@@ -82,16 +88,6 @@ class DeviceStreams:
 
 
 _backend = DeviceStreams()
-# Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test knob for
-# `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, read by fsdp_ext/env.py): a late collective exposes
-# a missing wait or an early free on a real GPU.
-_delay_cycles = 0
-
-
-def set_side_stream_delay(cycles: int) -> None:
-    global _delay_cycles
-    _delay_cycles = cycles
-
 
 def set_backend(backend) -> object:
     """Install `backend` (an object with DeviceStreams' methods); returns the previous one."""
