@@ -108,15 +108,15 @@ def _wrap_fsdp_ext_split(direct_min_numel: int):
         from fsdp_ext import MixedPrecisionPolicy
         from fsdp_ext.api.fully_shard import shard_module
         from fsdp_ext.runtime.schedule_options import ScheduleOptions
-        from fsdp_ext.runtime.unit_config import UnitConfig
+        from fsdp_ext.runtime.unit_config import UnitOptions
 
         def config():  # (each unit its own options record)
-            return UnitConfig(groups=None, mp=MixedPrecisionPolicy(), layout="rows",
-                              direct_min_numel=direct_min_numel,
-                              schedule=ScheduleOptions(**options))
+            return UnitOptions(mp=MixedPrecisionPolicy(), layout="rows",
+                               direct_min_numel=direct_min_numel,
+                               schedule=ScheduleOptions(**options))
         for layer in model.layers:
-            shard_module(layer, config=config())
-        return shard_module(model, config=config())
+            shard_module(layer, options=config())
+        return shard_module(model, options=config())
     return wrap
 
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision
 from .. import env
 from ..runtime.registry import unit_of, units_of
 from ..runtime.schedule_options import ScheduleOptions
-from ..runtime.unit_config import UnitConfig
+from ..runtime.unit_config import UnitOptions
 from ..runtime.unit_state import TrainingState as UnitState
 from ..state import state_dict as _sd
 from ..state.summon import summon_full_params
@@ -99,8 +99,8 @@ class FullyShardedDataParallel(nn.Module):
                     buf.data = buf.data.to(mixed_precision.buffer_dtype)
 
         def shard(unit_module: nn.Module, reshard_after_forward, mp, unit_offload) -> nn.Module:
-            return shard_module(unit_module, mesh=mesh, process_group=group, config=UnitConfig(
-                groups=None, mp=mp, layout="flat", reshard_after_forward=reshard_after_forward,
+            return shard_module(unit_module, mesh=mesh, process_group=group, options=UnitOptions(
+                mp=mp, layout="flat", reshard_after_forward=reshard_after_forward,
                 offload=unit_offload, comm_policy=comm_policy, param_init_fn=param_init_fn,
                 ignored_params=frozenset(id(p) for p in skipped_params),
                 schedule=ScheduleOptions(forward_prefetch=1 if forward_prefetch else 0,

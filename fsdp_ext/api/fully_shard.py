@@ -18,7 +18,7 @@ from . import pipelining
 from ..runtime.schedule_options import ScheduleOptions
 from ..runtime.list_unit import ListUnit
 from ..runtime.unit import Unit
-from ..runtime.unit_config import UnitConfig
+from ..runtime.unit_config import UnitConfig, UnitOptions
 from ..state.hooks import install_state_dict_hooks
 from . import default_group, options
 from .dp_mesh_dims import data_parallel_mesh
@@ -149,8 +149,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         storage_axes = None
     if mesh is None and process_group is None:
         default_group.ensure_for_fully_shard()
-    return shard_module(module, mesh=mesh, process_group=process_group, config=UnitConfig(
-        groups=None, mp=options.mp_policy(mp_policy), layout="rows",
+    return shard_module(module, mesh=mesh, process_group=process_group, options=UnitOptions(
+        mp=options.mp_policy(mp_policy), layout="rows",
         reshard_after_forward=reshard_after_forward,
         offload=options.offload_policy(offload_policy),
         ignored_params=frozenset(id(p) for p in ignored_params or ()),
@@ -180,12 +180,13 @@ def _members(module) -> list[nn.Module]:
 
 
 def shard_module(module: nn.Module, *, mesh=None, process_group=None,
-                 config: UnitConfig) -> nn.Module:
-    """fully_shard's work, for both public APIs: `config` holds the user's options, already read
+                 options: UnitOptions) -> nn.Module:
+    """fully_shard's work, for every public API: `options` are the user's, already read
     (api/options.py), its `layout` "rows" (fully_shard: DTensor parameters) or "flat"
-    (FullyShardedDataParallel: FSDP1's flat views); its groups are made here from `mesh` or
-    `process_group`, and the environment read here, once (fsdp_ext/env.py).
-    `config.direct_min_numel` (rows: which parameters are gathered directly,
+    (FullyShardedDataParallel: FSDP1's flat views); the unit's UnitConfig is resolved from them
+    here, once, with its groups made from `mesh` or `process_group` and the environment read
+    for this call (fsdp_ext/env.py).
+    `options.direct_min_numel` (rows: which parameters are gathered directly,
     runtime/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
     members = _members(module)
     for member in members:
@@ -196,7 +197,7 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
                 raise ValueError(f"submodule '{name}' already ran forward; shard before the first "
                                  "forward")
     together = members[0] if len(members) == 1 else nn.ModuleList(members)  # (not kept)
-    offload_policy = config.offload
+    offload_policy = options.offload
     device = _device_for(together, mesh.device_type if mesh is not None else None,
                          offload_policy is not None)
     if (device.type != "cpu" and offload_policy is None
@@ -210,20 +211,21 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
     check_mesh_and_groups(members[0], mesh, process_group)
     install_step_check()  # an optimizer built before this call is caught at its first step
     environment = env.read()  # the one read of the environment for this unit
-    reshard_after_forward = config.reshard_after_forward
+    reshard_after_forward = options.reshard_after_forward
     groups = _groups_from(mesh, process_group, device, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         # As in FSDP2: k == 1 keeps everything (False); k >= shard size is a full reshard (True).
         reshard_after_forward = reshard_after_forward > 1
-    check_finite_grads = config.check_finite_grads
+    check_finite_grads = options.check_finite_grads
     if check_finite_grads is None:
         check_finite_grads = environment.check_finite_grads
-    comm_policy = check_policy(config.comm_policy, config.mp,
+    comm_policy = check_policy(options.comm_policy, options.mp,
                                f"fully_shard({type(members[0]).__name__})")
-    config = dataclasses.replace(
-        config, groups=groups, env=environment, mesh=mesh,
-        reshard_after_forward=reshard_after_forward, check_finite_grads=check_finite_grads,
-        comm_policy=comm_policy)
+    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(UnitOptions)}
+    config = UnitConfig(**{**given, "reshard_after_forward": reshard_after_forward,
+                           "check_finite_grads": check_finite_grads,
+                           "comm_policy": comm_policy},
+                        groups=groups, env=environment, mesh=mesh)
     unit = (ListUnit if len(members) > 1 else Unit)(members, config)
     name_replaced_from(unit)  # an optimizer built before this call names them in the model
     for member in members:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..runtime.placement.replicated import Replicated
 from ..runtime.registry import unit_of
 from ..runtime.schedule_options import ScheduleOptions
-from ..runtime.unit_config import UnitConfig
+from ..runtime.unit_config import UnitOptions
 from . import default_group, options, pipelining
 from .dp_mesh_dims import data_parallel_mesh
 from .fsdp_module import FSDPModule
@@ -62,8 +62,8 @@ def replicate(module: nn.Module | list[nn.Module], *, mesh=None,
             raise ValueError(f"{where}: replicate expects a 1D DeviceMesh but got {mesh}")
         placement = Replicated(mesh) if mesh is not None else None
         shard_module(module, process_group=(None, mesh.get_group()) if mesh is not None else None,
-                     config=UnitConfig(
-                         groups=None, mp=options.mp_policy(mp_policy), layout="rows",
+                     options=UnitOptions(
+                         mp=options.mp_policy(mp_policy), layout="rows",
                          reshard_after_forward=False,
                          offload=options.offload_policy(offload_policy),
                          ignored_params=frozenset(id(p) for p in ignored_params or ()),
