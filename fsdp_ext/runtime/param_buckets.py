@@ -75,15 +75,14 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         by_key.setdefault((slot.placement.mesh, slot.param.dtype, slot.param.requires_grad,
                            extension), []).append(slot)
         mark_owner(slot.param, f"{type(modules[slot.member]).__name__} (parameter '{slot.fqn}')")
-    buckets, own_groups = [], {}
+    buckets, placed_on = [], {}
     for (own, dtype, requires_grad, extension), bucket_slots in by_key.items():
-        on, bucket_mesh = groups, mesh
-        if own is not None:  # (equal meshes: one key, one set of groups)
-            first = bucket_slots[0]
-            on = own_groups.setdefault(own, _own_groups(
-                own, groups, f"fully_shard({type(modules[first.member]).__name__}): "
-                             f"parameter '{first.fqn}'"))
-            bucket_mesh = own
+        first = bucket_slots[0]
+        if own not in placed_on:  # (equal meshes: one key, one set of groups)
+            placed_on[own] = first.placement.storage(
+                groups, mesh, f"fully_shard({type(modules[first.member]).__name__}): "
+                              f"parameter '{first.fqn}'")
+        on, bucket_mesh = placed_on[own]
         world, rank = on.shard_size, on.shard_rank
         shapes = [tuple(s.shape) for s in bucket_slots]
         if layout == "flat":
@@ -100,24 +99,6 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, wire, on,
                               spec_of))
     return buckets
-
-
-def _own_groups(mesh, unit_groups: comm.Groups, where: str) -> comm.Groups:
-    """The groups of a parameter's own mesh, with the unit's `reshard_after_forward=k` applied to
-    its shard group as torch applies it per mesh: k must divide that mesh's shard size, and k
-    equal to it keeps this rank's own shard as its post-forward chunk (regathered over the
-    shard group)."""
-    own = comm.Groups.of_mesh(mesh, unit_groups.device)
-    k = unit_groups.requested_post_forward  # (the unit's own k may have become True: its size)
-    if k == 1:
-        return own
-    if own.shard_size % k:
-        raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
-                         f"shard ranks, which reshard_after_forward={k} does not divide")
-    # k below the mesh's size: its group is made at the root's first forward
-    # (process_groups.make_first_forward_groups), under the root's collective_timeout.
-    post_forward = own.shard if k == own.shard_size else None
-    return replace(own, post_forward=post_forward, post_forward_size=k)
 
 
 def init_sharded_state(buckets: list[Bucket], device: torch.device, offload,

@@ -3,7 +3,8 @@ mesh, and what model parallelism did to it first. One object per parameter (`Par
 answers every question the runtime, the state paths and the diagnostics ask about it; nothing
 outside this folder asks which kind it is (tests/test_layering.py checks).
 
-Files: base.py, the protocol and the plain parameter (`Placement`); model_parallel.py, the
+Files: base.py, the protocol and the plain parameter (`Placement`: its shard dim, its own mesh
+and that mesh's groups, its DTensor face, what the module computes with, its full tensor); model_parallel.py, the
 parameters that tensor or expert parallelism split before fully_shard (a DTensor on its own TP /
 EP mesh, an annotated plain tensor, a DTensor on the whole storage mesh); spmd_params.py, a plain
 tensor's spmd_types annotations on the storage mesh `dp_mesh_dims` names; choose.py, the

@@ -9,12 +9,14 @@ subclasses (model_parallel.py); each answers the same questions for its own spel
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .. import dtensor_params
+from ..groups import Groups
 
 
 class Placement:
@@ -31,6 +33,13 @@ class Placement:
 
     def _set_shard(self, dim: int, mesh) -> None:
         self.dim, self.mesh = dim, mesh
+
+    def storage(self, unit_groups: Groups, unit_mesh, where: str) -> tuple[Groups, object]:
+        """(the groups its bucket talks to, the mesh its DTensor face lives on): the unit's, or
+        its own mesh's (`where` names the first parameter on it, for errors)."""
+        if self.mesh is None:
+            return unit_groups, unit_mesh
+        return _own_groups(self.mesh, unit_groups, where), self.mesh
 
     def check(self, where: str, storage_axes) -> None:
         """Refuse, naming `where`, what fully_shard cannot shard (`storage_axes`: dp_mesh_dims'
@@ -72,6 +81,24 @@ class Placement:
         return [f"on a mesh of their own: sharded over {_ranks(groups.shard)}"
                 + (f", replicated over {_ranks(groups.replicate)}"
                    if groups.replicate is not None else "")]
+
+
+def _own_groups(mesh, unit_groups: Groups, where: str) -> Groups:
+    """The groups of a parameter's own mesh, with the unit's `reshard_after_forward=k` applied to
+    its shard group as torch applies it per mesh: k must divide that mesh's shard size, and k
+    equal to it keeps this rank's own shard as its post-forward chunk (regathered over the
+    shard group)."""
+    own = Groups.of_mesh(mesh, unit_groups.device)
+    k = unit_groups.requested_post_forward  # (the unit's own k may have become True: its size)
+    if k == 1:
+        return own
+    if own.shard_size % k:
+        raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
+                         f"shard ranks, which reshard_after_forward={k} does not divide")
+    # k below the mesh's size: its group is made at the root's first forward
+    # (process_groups.make_first_forward_groups), under the root's collective_timeout.
+    post_forward = own.shard if k == own.shard_size else None
+    return dataclasses.replace(own, post_forward=post_forward, post_forward_size=k)
 
 
 def _ranks(group) -> str:
