@@ -38,8 +38,8 @@ TORCH_LIBRARY(fsdp_ext, m) {
 }
 
 // Importing fsdp_ext._C loads this library, which runs the registrations above; the module itself
-// exposes the host storage cache (fsdp_ext/runtime/storage_cache.py), the CPU issue thread
-// (fsdp_ext/runtime/comm.py) and, for the tests, the CUDA kernels' bodies run on the host and the
+// exposes the host storage cache (fsdp_ext/runtime/core/storage_cache.py), the CPU issue thread
+// (fsdp_ext/runtime/comm/collectives.py) and, for the tests, the CUDA kernels' bodies run on the host and the
 // CPU kernels' vector switch (cpu_vector.h).
 PYBIND11_MODULE(_C, module) {
   module.doc() = "fsdp_ext compiled ops; use torch.ops.fsdp_ext.* (see fsdp_ext.ops)";

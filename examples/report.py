@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fsdp_ext.runtime.comm import all_gather_into
+from fsdp_ext.runtime.comm.collectives import all_gather_into
 from fsdp_ext.diagnostics.timeline import comm_stats
 
 

@@ -32,7 +32,7 @@ from moe import MoEConfig, MoEDecoder  # noqa: E402
 from moe_ep import apply_expert_parallel  # noqa: E402
 
 import fsdp_ext  # noqa: E402
-from fsdp_ext.runtime.trace import recording  # noqa: E402
+from fsdp_ext.runtime.core.trace import recording  # noqa: E402
 
 
 class _DefaultsHelp(argparse.HelpFormatter):

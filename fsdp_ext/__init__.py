@@ -37,10 +37,10 @@ from .diagnostics.describe import describe
 from .diagnostics.memory import memory_report
 from .diagnostics.optim_check import check_optimizer
 from .planner.plan import plan
-from .runtime.comm_policy import CommPolicy
+from .runtime.wire.comm_policy import CommPolicy
 from .runtime.placement.shard_fn import MeshPlacement
-from .runtime.errors import CollectiveError, CollectiveMismatchError, NonFiniteGradientError
-from .runtime.storage_cache import empty_cache
+from .runtime.core.errors import CollectiveError, CollectiveMismatchError, NonFiniteGradientError
+from .runtime.core.storage_cache import empty_cache
 from .shutdown import exit_without_finalization, run_then_exit
 from .state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .state.load_optim_state_dict import load_optim_state_dict

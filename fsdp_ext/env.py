@@ -1,14 +1,15 @@
 """Every environment variable fsdp_ext reads, read here only (tests/test_layering.py checks).
 
 Per call: read once per `fully_shard` / `FullyShardedDataParallel` call into a frozen record its
-units keep (runtime/unit_config.py). A variable changed later takes effect for units built later,
+units keep (runtime/unit/config.py). A variable changed later takes effect for units built later,
 never halfway through a model.
 
-    FSDP_EXT_COLLECTIVE_TIMEOUT_S    bound on every wait on the runtime's collectives (comm.py;
-                                     the fully_shard argument wins); 0 or "none": no bound
+    FSDP_EXT_COLLECTIVE_TIMEOUT_S    bound on every wait on the runtime's collectives
+                                     (runtime/comm/collectives.py; the fully_shard argument
+                                     wins); 0 or "none": no bound
     FSDP_EXT_ISSUE_THREAD            "0": CPU all-gathers issued by the compute thread
     FSDP_EXT_DIRECT_MIN_NUMEL        fully_shard's split between direct and copied gathers
-                                     (layout.py; the shard_module option wins)
+                                     (runtime/bucket/layout.py; the shard_module option wins)
     FSDP_EXT_CHECK_FINITE_GRADS      "1": check_finite_grads by default
     FSDP_EXT_CHECK                   collective tags: "on" (default), "sync", "off"
 
@@ -16,9 +17,9 @@ Per process: what one process has one of, read once, at its first use, and never
 (`process()`): set them before the process starts.
 
     FSDP_EXT_STORAGE_CACHE           "0": gathered and packed buffers resize without the block
-                                     cache (runtime/storage_cache.py)
+                                     cache (runtime/core/storage_cache.py)
     FSDP_EXT_SIDE_STREAM_DELAY_CYCLES  a test knob: cycles a side stream spins before each
-                                     collective (CUDA; runtime/streams.py)
+                                     collective (CUDA; runtime/core/streams.py)
     FSDP_EXT_BACKEND                 the kernels' backend for every op called without one
                                      ("cpp", "cuda", "triton", "torch"; ops/__init__.py)
 

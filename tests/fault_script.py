@@ -104,7 +104,7 @@ def main() -> None:
 
     import fsdp_ext
     if args.default_timeout_s is not None:
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         comm.DEFAULT_TIMEOUT_S = args.default_timeout_s
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -100,7 +100,7 @@ def post_optim_event(rank: int, world_size: int) -> None:
     """set_post_optim_event after every optimizer step, as torchtitan's users do on GPUs: the
     root's first all-gather of the next step waits for that event alone, not for the whole
     compute stream (work queued after it, such as zero_grad's, may still run)."""
-    from fsdp_ext.runtime import streams
+    from fsdp_ext.runtime.core import streams
 
     def after_step(model):
         device = model._unit.groups.device

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_ext
-from fsdp_ext.runtime.registry import units_of
+from fsdp_ext.runtime.core.registry import units_of
 
 from .dist_utils import local_slice, run_distributed
 
@@ -316,7 +316,7 @@ def test_step_check_keys_optimizers_by_identity():
     """fully_shard registers one step pre-hook for every optimizer of the process: an unhashable
     optimizer steps as without fsdp_ext, and optimizers that compare equal are checked apart."""
     from fsdp_ext.diagnostics.optim_check import install_step_check
-    from fsdp_ext.runtime.registry import record_replaced
+    from fsdp_ext.runtime.core.registry import record_replaced
     install_step_check()  # what fully_shard of any other model does
     layer = nn.Linear(3, 2)
     opt = _ComparableSGD(layer.parameters(), lr=0.1)

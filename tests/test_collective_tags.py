@@ -8,8 +8,9 @@ import datetime
 import pytest
 import torch
 
-from fsdp_ext.runtime import collective_tags, streams
-from fsdp_ext.runtime.errors import CollectiveError, CollectiveMismatchError
+from fsdp_ext.runtime.comm import collective_tags
+from fsdp_ext.runtime.core import streams
+from fsdp_ext.runtime.core.errors import CollectiveError, CollectiveMismatchError
 
 
 class _LateDevice(streams.DeviceStreams):

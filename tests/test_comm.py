@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fsdp_ext.runtime import comm
+from fsdp_ext.runtime.comm import collectives as comm
 
 from .dist_utils import on_world_and_last_two, run_distributed
 

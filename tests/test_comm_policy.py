@@ -89,7 +89,7 @@ def check_gathered_parameters(rank: int, world: int) -> None:
     """int8 weights on the wire: every rank computes with the same values, each within half a
     quantization step (amax / 254) of the exact parameter; the master shards stay bit-exact;
     the all-gathers move the quantized bytes (about a quarter of fp32's)."""
-    from fsdp_ext.runtime import comm
+    from fsdp_ext.runtime.comm import collectives as comm
     model = _shard(_gpt(), "fully_shard", CommPolicy("int8", block_size=64))
     master = [p._local_tensor.clone() for p in model.parameters()]
     captured = _Captured(model)
@@ -204,7 +204,7 @@ def check_meta_init_zeroes_padding(rank: int, world: int) -> None:
             with _PoisonedAllocations(poison):
                 model.to_empty(device="cpu")
             set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True))
-            for unit in fsdp_ext.runtime.registry.units_of(model):
+            for unit in fsdp_ext.runtime.core.registry.units_of(model):
                 for bucket in unit.buckets:
                     padding = _padding_of(bucket)
                     assert (padding == 0).all(), (policy, poison, unit.name, padding)
@@ -240,7 +240,7 @@ def check_nan_in_padding_stays_in_the_padding(rank: int, world: int) -> None:
             model = _shard(_uneven(), "fully_shard", policy)
             with torch.no_grad():
                 model(_batch(0, rank)[0])  # (lazy init: the units' buckets exist after it)
-                for unit in fsdp_ext.runtime.registry.units_of(model):
+                for unit in fsdp_ext.runtime.core.registry.units_of(model):
                     for bucket in unit.buckets:
                         padding = _padding_mask(bucket)
                         if poison:

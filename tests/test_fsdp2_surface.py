@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_ext
-from fsdp_ext.runtime.trace import recording
+from fsdp_ext.runtime.core.trace import recording
 
 from . import fsdp2_scripts as scripts
 from .dist_utils import run_checks, run_distributed

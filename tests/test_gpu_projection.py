@@ -190,7 +190,7 @@ def record_worker(rank: int, world_size: int, out_dir: str) -> None:
     import fsdp_ext
     from fsdp_ext.diagnostics.stream_check import stream_check
     from fsdp_ext.env import CHECK as CHECK_ENV
-    from fsdp_ext.runtime.trace import RECORDER
+    from fsdp_ext.runtime.core.trace import RECORDER
     from models import GPT, GPTConfig
 
     for mode in ("on", "sync", "off"):

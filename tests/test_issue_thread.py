@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fsdp_ext import ops
 from fsdp_ext import env
-from fsdp_ext.runtime import comm, process_groups
+from fsdp_ext.runtime.comm import collectives as comm, process_groups
 
 from .dist_utils import on_world_and_last_two, run_distributed
 from .parity import cases_for, run_case

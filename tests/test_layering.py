@@ -31,6 +31,16 @@ LAYERS = {
     "shutdown": 0,          # process exit helpers, importing nothing of fsdp_ext
     "env": 0,               # the environment variables, read here only; importing nothing
 }
+# The runtime's own layers (its subpackages), in the same sense: a runtime module imports its own
+# subpackage and the ones below it (docs/architecture.md draws them).
+RUNTIME_LAYERS = {
+    "unit": 5,              # units, their hooks and states, the schedule
+    "bucket": 4,            # a unit's buckets: storage, layout, gather and gradient path
+    "wire": 3,              # what a bucket puts on the wire: exact, quantized, tensor subclasses
+    "placement": 2,         # where each parameter is sharded, and its DTensor face
+    "comm": 1,              # collectives, process groups, tags and heartbeats
+    "core": 0,              # streams, host reads, trace, errors, offload: importing no runtime part
+}
 MAX_TOP_LEVEL_MODULES = 8
 
 
@@ -78,6 +88,12 @@ def part_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+def runtime_part_of(module: str) -> str | None:
+    """The runtime subpackage a module is in (RUNTIME_LAYERS' key), None outside one."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "runtime" else None
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     problems = []
     for module, targets in sorted(graph.items()):
@@ -90,7 +106,22 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
             elif src != dst and LAYERS[dst] >= LAYERS[src]:
                 problems.append(f"{module} -> {target}: layer '{src}' ({LAYERS[src]}) may not "
                                 f"import layer '{dst}' ({LAYERS[dst]})")
+            elif src == dst == "runtime":
+                problems += _runtime_problem(module, target)
     return problems
+
+
+def _runtime_problem(module: str, target: str) -> list[str]:
+    src, dst = runtime_part_of(module), runtime_part_of(target)
+    if src is None or dst is None or src == dst:
+        return []  # runtime/__init__.py imports nothing; a subpackage imports itself freely
+    if src not in RUNTIME_LAYERS or dst not in RUNTIME_LAYERS:
+        return [f"{module} -> {target}: 'runtime.{src if src not in RUNTIME_LAYERS else dst}' "
+                "is not in the runtime's layer table"]
+    if RUNTIME_LAYERS[dst] >= RUNTIME_LAYERS[src]:
+        return [f"{module} -> {target}: layer 'runtime.{src}' ({RUNTIME_LAYERS[src]}) may not "
+                f"import layer 'runtime.{dst}' ({RUNTIME_LAYERS[dst]})"]
+    return []
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -133,7 +164,7 @@ def import_graph(root: str) -> dict[str, set[str]]:
 
 def test_imports_point_down_and_never_loop():
     graph = import_graph(PACKAGE_DIR)
-    assert "fsdp_ext.runtime.unit" in graph and graph["fsdp_ext.api.fully_shard"]
+    assert "fsdp_ext.runtime.unit.unit" in graph and graph["fsdp_ext.api.fully_shard"]
     assert upward_imports(graph) == []
     assert cycles(graph) == []
 
@@ -144,7 +175,13 @@ def test_package_has_layers_and_few_top_level_modules():
                    if os.path.isfile(os.path.join(PACKAGE_DIR, n, "__init__.py"))]
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
     assert set(subpackages) == set(LAYERS) - {"fsdp_ext", "_C", "shutdown", "env"}
-    for sub in subpackages:  # each opens with a docstring saying what it owns and may import
+    runtime_dir = os.path.join(PACKAGE_DIR, "runtime")
+    runtime_parts = [n for n in os.listdir(runtime_dir)
+                     if os.path.isfile(os.path.join(runtime_dir, n, "__init__.py"))]
+    assert set(runtime_parts) == set(RUNTIME_LAYERS)
+    assert [n for n in os.listdir(runtime_dir) if n.endswith(".py")] == ["__init__.py"]
+    # each opens with a docstring saying what it owns and may import
+    for sub in subpackages + [f"runtime/{n}" for n in runtime_parts]:
         with open(os.path.join(PACKAGE_DIR, sub, "__init__.py")) as f:
             doc = ast.get_docstring(ast.parse(f.read())) or ""
         assert "Owns:" in doc and "May import:" in doc, sub
@@ -153,15 +190,21 @@ def test_package_has_layers_and_few_top_level_modules():
 def test_the_check_fails_on_a_planted_upward_import_and_a_planted_loop(tmp_path):
     copy = os.path.join(tmp_path, "fsdp_ext")
     shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    with open(os.path.join(copy, "runtime", "unit.py"), "a") as f:
-        f.write("\n\ndef _planted():\n    from ..api.fully_shard import fully_shard\n")
-    with open(os.path.join(copy, "runtime", "registry.py"), "a") as f:
-        f.write("\nfrom .schedule import Schedule\n")  # schedule imports registry: a loop
+    with open(os.path.join(copy, "runtime", "unit", "unit.py"), "a") as f:
+        f.write("\n\ndef _planted():\n    from ...api.fully_shard import fully_shard\n")
+    with open(os.path.join(copy, "runtime", "core", "registry.py"), "a") as f:
+        f.write("\nfrom ..unit.schedule import Schedule\n")  # schedule imports registry: a loop
+    with open(os.path.join(copy, "runtime", "comm", "groups.py"), "a") as f:
+        f.write("\nfrom ..wire import comm_policy\n")
     graph = import_graph(copy)
     assert upward_imports(graph) == [
-        "fsdp_ext.runtime.unit -> fsdp_ext.api.fully_shard: layer 'runtime' (2) may not import "
-        "layer 'api' (4)"]
-    assert ["fsdp_ext.runtime.registry", "fsdp_ext.runtime.schedule"] in cycles(graph)
+        "fsdp_ext.runtime.comm.groups -> fsdp_ext.runtime.wire.comm_policy: layer 'runtime.comm' "
+        "(1) may not import layer 'runtime.wire' (3)",
+        "fsdp_ext.runtime.core.registry -> fsdp_ext.runtime.unit.schedule: layer 'runtime.core' "
+        "(0) may not import layer 'runtime.unit' (5)",
+        "fsdp_ext.runtime.unit.unit -> fsdp_ext.api.fully_shard: layer 'runtime' (2) may not "
+        "import layer 'api' (4)"]
+    assert ["fsdp_ext.runtime.core.registry", "fsdp_ext.runtime.unit.schedule"] in cycles(graph)
 
 
 def _targets_of(node: ast.AST):
@@ -212,12 +255,12 @@ def _written_attributes(source: str, own: set[str]) -> list[str]:
 def test_the_schedule_writes_only_its_own_state():
     """Unit -> Schedule is one way: the schedule orders units and asks them to act through their
     methods (join, start_step, reshard, ...), never by writing their fields, their buckets' or
-    their gradient state (a cycle the imports alone would not show: runtime/schedule.py imports
+    their gradient state (a cycle the imports alone would not show: runtime/unit/schedule.py imports
     no unit). The one other object it writes is a schedule it just made (`schedule`)."""
-    path = os.path.join(PACKAGE_DIR, "runtime", "schedule.py")
+    path = os.path.join(PACKAGE_DIR, "runtime", "unit", "schedule.py")
     with open(path) as f:
         written = _written_attributes(f.read(), own={"self", "schedule"})
-    assert written == [], "runtime/schedule.py writes other objects' state:\n" + "\n".join(written)
+    assert written == [], "runtime/unit/schedule.py writes other objects' state:\n" + "\n".join(written)
     # the check itself sees such writes
     assert _written_attributes("def f(unit):\n    unit.x = 1\n    unit.a.b[0] += 2\n",
                                own={"self"}) == ["2: unit.x", "3: unit.a.b[0]"]
@@ -232,8 +275,8 @@ def test_units_write_no_schedule_state():
     gathers and gradient path) ask the schedule through its methods (note_unshard,
     note_host_read, forward_failed, ...), never write its fields."""
     written = []
-    for name in ("unit.py", "unit_params.py", "gather.py", "grads.py", "unit_checks.py",
-                 "adopt.py"):
+    for name in ("unit/unit.py", "unit/params.py", "bucket/gather.py", "bucket/grads.py",
+                 "unit/checks.py", "bucket/adopt.py"):
         with open(os.path.join(PACKAGE_DIR, "runtime", name)) as f:
             written += [f"{name}:{line}: {'.'.join(c)}" for line, c in _chains_written(f.read())
                         if "schedule" in c[:-1]]
@@ -334,7 +377,7 @@ def cross_object_writes(source: str, declared_elsewhere: set[str] = frozenset())
 
 
 def package_files(root: str = PACKAGE_DIR) -> dict[str, str]:
-    """Path relative to the package folder `root` ("runtime/unit.py") -> source."""
+    """Path relative to the package folder `root` ("runtime/unit/unit.py") -> source."""
     sources = {}
     for folder, _, files in os.walk(root):
         for name in files:
@@ -366,13 +409,13 @@ ALLOWED_TO_REMOVE = {
 }
 ALLOWED_KEPT = {
     ("state/summon.py", "param.grad"): "the full nn.Parameter summon_full_params just made",
-    ("runtime/peer_watch.py", "self.watch._waiting_at"):
+    ("runtime/comm/peer_watch.py", "self.watch._waiting_at"):
         "PeerWatch.waiting's context object, in the watch's own module",
     # Records of this module under a name another module's class also declares.
-    ("runtime/gather.py", "record.pending"): "its InFlightGather (grads.PendingReduce has one too)",
-    ("runtime/layout.py", "layout.groups"):
+    ("runtime/bucket/gather.py", "record.pending"): "its InFlightGather (grads.PendingReduce has one too)",
+    ("runtime/bucket/layout.py", "layout.groups"):
         "the BucketLayout it just built (Unit has `groups` too)",
-    ("runtime/trace.py", "RECORDER.enabled"): "its Recorder (CollectiveChecker has `enabled` too)",
+    ("runtime/core/trace.py", "RECORDER.enabled"): "its Recorder (CollectiveChecker has `enabled` too)",
     ("diagnostics/launch_trace.py", "record.site"): "its record (host_syncs.HostSync has one too)",
     ("diagnostics/launch_trace.py", "event.trace_id"): "labels the event its seam override returns",
     ("diagnostics/gpu_projection.py", "out[-1].end"): "the spans list _merged is building",
@@ -385,21 +428,21 @@ ALLOWED_KEPT = {
     ("api/fsdp_module.py", "wrapped.__name__"): "the function it just defined (as functools.wraps)",
     ("api/fsdp_module.py", "wrapped.__doc__"): "the function it just defined (as functools.wraps)",
     # The owners' own writes into torch objects.
-    ("runtime/bucket.py", "slot.param.data"): "the bucket points its parameters at its shard",
-    ("runtime/bucket.py", "slot.param.grad"): "the bucket sets its parameters' full gradients",
-    ("runtime/bucket.py", "module._parameters[attr]"): "set_module_param: PARAMETERS_WRITER",
-    ("runtime/bucket.py", "setattr(param, OWNER_ATTR)"): "mark_owner tags a sharded parameter",
-    ("runtime/bucket.py", "self.slots[index].param.grad"):
+    ("runtime/bucket/bucket.py", "slot.param.data"): "the bucket points its parameters at its shard",
+    ("runtime/bucket/bucket.py", "slot.param.grad"): "the bucket sets its parameters' full gradients",
+    ("runtime/bucket/bucket.py", "module._parameters[attr]"): "set_module_param: PARAMETERS_WRITER",
+    ("runtime/bucket/bucket.py", "setattr(param, OWNER_ATTR)"): "mark_owner tags a sharded parameter",
+    ("runtime/bucket/bucket.py", "self.slots[index].param.grad"):
         "the bucket publishes its gradient shard",
-    ("runtime/unit_params.py", "tensor._is_param"):
+    ("runtime/unit/params.py", "tensor._is_param"):
         "marks the gathered view it installs as a parameter (nn.Parameter's own mark)",
-    ("runtime/unit_params.py", "ctx.unit"):
+    ("runtime/unit/params.py", "ctx.unit"):
         "autograd's ctx: how a Function hands state to backward",
     ("runtime/placement/model_parallel.py", "ctx.groups"):
         "autograd's ctx: how a Function hands state to backward",
-    ("runtime/dtensor_params.py", "dtensor._local_tensor"): "DTensor has no setter (as FSDP2 does)",
-    ("runtime/dtensor_params.py", "param._local_tensor"): "DTensor has no setter (as FSDP2 does)",
-    ("runtime/unit_state.py", "setattr(owner, attr)"): "`move`, the checked transition owners call",
+    ("runtime/placement/dtensor_params.py", "dtensor._local_tensor"): "DTensor has no setter (as FSDP2 does)",
+    ("runtime/placement/dtensor_params.py", "param._local_tensor"): "DTensor has no setter (as FSDP2 does)",
+    ("runtime/unit/states.py", "setattr(owner, attr)"): "`move`, the checked transition owners call",
     # What the public API does to the user's objects, as torch's own does.
     ("api/fully_shard.py", "member.__class__"): "fully_shard makes the module an FSDPModule",
     ("api/replicate.py", "member.__class__"): "replicate makes the module a ReplicateModule",
@@ -479,17 +522,17 @@ def test_the_cross_object_check_reports_planted_writes():
 def test_the_package_check_fails_on_a_write_planted_in_a_module(tmp_path):
     copy = os.path.join(tmp_path, "fsdp_ext")
     shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    with open(os.path.join(copy, "runtime", "schedule.py"), "a") as f:
+    with open(os.path.join(copy, "runtime", "unit", "schedule.py"), "a") as f:
         f.write("\n\ndef _planted(unit, i, x):\n"
                 "    unit.params.states[i].grads.partial_reduce = x\n")
     writes = package_cross_object_writes(copy)
     assert [k for k in writes if k not in ALLOWED] == [
-        ("runtime/schedule.py", "unit.params.states[i].grads.partial_reduce")]
+        ("runtime/unit/schedule.py", "unit.params.states[i].grads.partial_reduce")]
 
 
 # module._parameters is written by one file: bucket.set_module_param, which the buckets'
 # transitions (construction, adoption), the unit's installs and meta init all call.
-PARAMETERS_WRITER = {"runtime/bucket.py"}
+PARAMETERS_WRITER = {"runtime/bucket/bucket.py"}
 _DICT_MUTATORS = {"pop", "popitem", "update", "setdefault", "clear", "__setitem__", "__delitem__"}
 
 
@@ -521,20 +564,20 @@ def test_only_the_parameter_owner_writes_module_parameters():
         1, 3, 4, 5]  # the check sees each way of writing it
 
 
-# A bucket's kind (exact, quantized, tensor subclass) is its wire format's business (runtime/wire*.py):
+# A bucket's kind (exact, quantized, tensor subclass) is its wire format's business (runtime/wire/):
 # the runtime, state and diagnostics code calls the format's methods, never asks which it is.
 # param_buckets.py chooses the format once, at construction (the one place that looks at what a
 # parameter is); comm_policy.py defines the policy's fields.
 KIND_TESTS = ("is_extension_tensor(", ".param_gather", ".grad_reduce", "Wire)", ".kind ==",
               ".extension", "QuantizedWire", "SubclassWire")
-KIND_CHOOSERS = {"runtime/param_buckets.py", "runtime/comm_policy.py"}
+KIND_CHOOSERS = {"runtime/bucket/param_buckets.py", "runtime/wire/comm_policy.py"}
 
 
 def kind_tests(root: str = PACKAGE_DIR) -> list[str]:
     found = []
     for rel, source in package_files(root).items():
         if (rel.split("/")[0] not in ("runtime", "state", "diagnostics")
-                or os.path.basename(rel).startswith("wire") or rel in KIND_CHOOSERS):
+                or rel.startswith("runtime/wire/") or rel in KIND_CHOOSERS):
             continue
         for line_no, line in enumerate(source.splitlines(), 1):
             code = line.split("#")[0]
@@ -549,7 +592,7 @@ def test_no_caller_tests_a_bucket_kind(tmp_path):
     assert found == [], "a bucket's kind tested outside its wire format:\n" + "\n".join(found)
     copy = tmp_path / "fsdp_ext"
     shutil.copytree(PACKAGE_DIR, copy)
-    with open(copy / "runtime" / "gather.py", "a") as f:
+    with open(copy / "runtime" / "bucket" / "gather.py", "a") as f:
         f.write("\n\ndef planted(bucket):\n    return bucket.wire.kind == 'quantized'\n")
     assert [f.split(": ", 1)[1] for f in kind_tests(str(copy))] == [".kind =="]
 
@@ -589,8 +632,8 @@ def placement_kind_tests(root: str = PACKAGE_DIR) -> list[str]:
 # planted back into the file each was in; placements.py's is fully_shard's here), and two new
 # spellings of the same question: each must be found.
 OLD_PLACEMENT_BRANCHES = {
-    "runtime/unit_params.py": "t = v if slot.parallel is None else slot.parallel.compute_view(v)",
-    "runtime/param_buckets.py": "ok = slot.parallel is not None",
+    "runtime/unit/params.py": "t = v if slot.parallel is None else slot.parallel.compute_view(v)",
+    "runtime/bucket/param_buckets.py": "ok = slot.parallel is not None",
     "api/clip.py": "g = g if slot.parallel is None else g + slot.parallel.norm_groups()",
     "state/state_dict.py": "t = slot.parallel.full_tensor(t) if slot.parallel else t",
     "state/summon.py": "bad = any(slot.parallel is not None for slot in bucket.slots)",
@@ -600,7 +643,7 @@ OLD_PLACEMENT_BRANCHES = {
     "diagnostics/describe.py": "own = bucket.groups is not unit.groups",
     "api/fully_shard.py": "hybrid = split is not None and not split.hybrid_own_mesh",
     "state/optim_state_dict.py": "tp = isinstance(slot.placement, TensorParallel)",
-    "runtime/unit.py": "own = slot.placement.mesh is not None",
+    "runtime/unit/unit.py": "own = slot.placement.mesh is not None",
 }
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_ext
 from fsdp_ext.diagnostics.memory import memory_report
-from fsdp_ext.runtime.layout import ALIGN
+from fsdp_ext.runtime.bucket.layout import ALIGN
 from models import GPT, GPTConfig
 
 from .dist_utils import run_distributed

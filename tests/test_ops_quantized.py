@@ -262,8 +262,8 @@ def test_bad_arguments_are_named(backend):
 
 
 def test_slot_layout_and_runtime_blocks():
-    from fsdp_ext.runtime.layout import rows_layout
-    from fsdp_ext.runtime.wire_quantized import block_starts
+    from fsdp_ext.runtime.bucket.layout import rows_layout
+    from fsdp_ext.runtime.wire.exact.quantized import block_starts
     assert ops.slot_bytes(1000, 16) == 1008 + 16 * 4
     assert ops.slot_bytes(0, 0) == 0
     # two small parameters and a large one in one copied group: a block at each parameter, and

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 
 import fsdp_ext
-from fsdp_ext.runtime.trace import recording
-from fsdp_ext.runtime.unit_state import StateError
+from fsdp_ext.runtime.core.trace import recording
+from fsdp_ext.runtime.unit.states import StateError
 
 from . import partial_unit_scripts as scripts
 from .dist_utils import run_checks, run_distributed

@@ -1,4 +1,4 @@
-"""shard_placement_fn's Shard(dim) placements (runtime/placement/shard_fn.py, runtime/layout.py), run with
+"""shard_placement_fn's Shard(dim) placements (runtime/placement/shard_fn.py, runtime/bucket/layout.py), run with
 torch's fully_shard and fsdp_ext's on the same script (tests/placement_scripts.py): expert
 weights `[experts, in, out]` sharded along dim 1 (torchtitan's choice when experts < FSDP degree)
 and along the last dim, beside Shard(0) parameters of the same unit. Losses, gradients, trained
@@ -280,7 +280,7 @@ def _world_4(rank, world):
 def test_rows_layout_range_along_a_later_dim_after_size_one_dims():
     """param_range of a [1, 4, 3] weight Shard(1) over 2 ranks: rank 1 holds rows 2-3 of dim 1,
     flattened elements [6, 12) (it once took the row count from dim 0: [3, 9))."""
-    from fsdp_ext.runtime.layout import rows_layout
+    from fsdp_ext.runtime.bucket.layout import rows_layout
     layout = rows_layout([(1, 4, 3)], world_size=2, rank=1, direct_min_numel=1, dims=[1])
     assert layout.contiguous(0)
     assert [layout.param_range(0, r) for r in (0, 1)] == [(0, 6), (6, 12)]

@@ -12,7 +12,7 @@ from torch import nn
 
 import fsdp_ext
 from fsdp_ext.planner.comm_model import H100, Link, all_gather_s, all_reduce_s, fit_link, reduce_scatter_s
-from fsdp_ext.runtime.layout import ALIGN
+from fsdp_ext.runtime.bucket.layout import ALIGN
 from fsdp_ext.diagnostics.memory import memory_report
 from models import Block, GPT, GPTConfig
 from fsdp_ext.planner.plan import project

@@ -1,5 +1,5 @@
 """A unit used several times in one forward is reduced once per backward, its uses' gradients
-summed as autograd sums them, as torch's fully_shard does (runtime/backward_uses.py): the
+summed as autograd sums them, as torch's fully_shard does (runtime/unit/backward_uses.py): the
 gradients equal torch's bit for bit and as many gradient collectives run as torch's."""
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ def test_divergence_raises_on_every_rank_with_device_tags():
 def planted_host_wait_worker(rank: int, world_size: int) -> None:
     """The count above can fail: a host read planted in every all-gather's wait (a function the
     count does not name) makes the runtime's syncs per step more than one."""
-    from fsdp_ext.runtime.unit import Unit
+    from fsdp_ext.runtime.unit.unit import Unit
     original = Unit.wait_unshard
 
     def wait_unshard(self):
@@ -430,7 +430,7 @@ def late_member_worker(rank: int, world_size: int) -> None:
     than the bound is named by the others, and raises itself when it arrives instead of waiting
     in the creation for the ones that gave up. Left at its default, the bound is the group's own
     timeout."""
-    from fsdp_ext.runtime import comm, process_groups
+    from fsdp_ext.runtime.comm import collectives as comm, process_groups
     bound = datetime.timedelta(seconds=2)
     get_backend = dist.get_backend
     for backend in ("gloo", "nccl"):
@@ -469,7 +469,7 @@ def root_timeout_worker(rank: int, world_size: int) -> None:
     applies to the whole model: the last rank comes 3 s late to its blocks' fully_shard
     (reshard_after_forward=2) and 3 s late to the first forward, and nobody raises. (The blocks'
     post-forward groups used to be made in their own fully_shard, under the 1 s bound.)"""
-    from fsdp_ext.runtime.registry import unit_of
+    from fsdp_ext.runtime.core.registry import unit_of
     os.environ["FSDP_EXT_COLLECTIVE_TIMEOUT_S"] = "1"
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))

@@ -11,8 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_ext
 from models import GPT, Block, GPTConfig
-from fsdp_ext.runtime.registry import units_of
-from fsdp_ext.runtime.trace import recording
+from fsdp_ext.runtime.core.registry import units_of
+from fsdp_ext.runtime.core.trace import recording
 
 from .dist_utils import global_mean, local_slice, run_distributed
 

@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.utils._pytree import tree_leaves
 
-from fsdp_ext.runtime import comm, trace
+from fsdp_ext.runtime.comm import collectives as comm
+from fsdp_ext.runtime.core import trace
 
 from . import fsdp2_scripts as scripts
 from .dist_utils import run_distributed
@@ -112,7 +113,7 @@ class _Counter:
         def add(kind: str, unit: str) -> None:
             if kind in ("all_gather.issue", "reduce_scatter.issue"):
                 self.add(kind.partition(".")[0], unit)
-            # a bucket's reduction is launched between these two events (runtime/grads.py)
+            # a bucket's reduction is launched between these two events (runtime/bucket/grads.py)
             if kind == "reduce_scatter.issue":
                 self.reducing = unit
             elif kind == "reduce_scatter.issued":
@@ -357,7 +358,7 @@ def check_empty_backward_prefetch_lists(rank: int, world: int, when: str) -> Non
 
 
 def check_prefetch_depth(rank: int, world: int, when: str) -> None:
-    """fsdp_ext's set_prefetch_depth (torch's FSDP2 has none), as documented (runtime/schedule.py):
+    """fsdp_ext's set_prefetch_depth (torch's FSDP2 has none), as documented (runtime/unit/schedule.py):
     from the second step on, forward issues the next `forward` units' all-gathers before the current
     unit computes, backward those of the previous `backward` ones. Depth 2 forward, 0 backward on
     this model: the root gathers both blocks, and each block gathers itself in backward (blocks.1

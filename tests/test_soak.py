@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import fsdp_ext
 from models import GPT, Block, GPTConfig
-from fsdp_ext.runtime.registry import units_of
+from fsdp_ext.runtime.core.registry import units_of
 
 from .dist_utils import global_mean, local_slice, run_distributed
 

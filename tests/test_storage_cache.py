@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fsdp_ext import ops
-from fsdp_ext.runtime import storage_cache
+from fsdp_ext.runtime.core import storage_cache
 
 from .dist_utils import run_distributed
 from .parity import cases_for, run_case

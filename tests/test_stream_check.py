@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from fsdp_ext.diagnostics import host_syncs
 from fsdp_ext.diagnostics.stream_check import StreamOrderError, stream_check
-from fsdp_ext.runtime import collective_tags, comm, streams
+from fsdp_ext.runtime.comm import collective_tags, collectives as comm
+from fsdp_ext.runtime.core import streams
 from fsdp_ext.env import CHECK as CHECK_ENV
-from fsdp_ext.runtime import unit as unit_module
-from fsdp_ext.runtime.host_reads import HostReads
-from fsdp_ext.runtime.unit_state import ShardedState
+from fsdp_ext.runtime.unit import unit as unit_module
+from fsdp_ext.runtime.core.host_reads import HostReads
+from fsdp_ext.runtime.unit.states import ShardedState
 
 from . import parity, stream_scenarios, test_runtime
 from .dist_utils import run_distributed
@@ -222,7 +223,7 @@ def quantized_first_step_worker(rank: int, world_size: int, plant: bool) -> None
     copy per gather group and rank before), wherever the runtime would make it. `plant`: a
     blocking copy and a host read added where the starts go to the device must fail that."""
     from . import test_comm_policy as cp
-    from fsdp_ext.runtime import wire_quantized
+    from fsdp_ext.runtime.wire.exact import quantized as wire_quantized
     import fsdp_ext
     with _patched(wire_quantized._Starts, "__init__", _planted_starts_sync if plant else None):
         with stream_check() as model:
@@ -314,7 +315,7 @@ def pipeline_worker(rank: int, world_size: int, plant: bool) -> None:
     that step's end. `plant`: a schedule that forgets it must fail the count on the first
     stage's ranks."""
     import fsdp_ext
-    from fsdp_ext.runtime.schedule import Schedule
+    from fsdp_ext.runtime.unit.schedule import Schedule
     from . import test_pipelining
     steps = 3
     with _patched(Schedule, "finish_reductions", _pipelined_unknown if plant else None):
@@ -363,7 +364,7 @@ def chunked_loss_worker(rank: int, world_size: int, plant: bool) -> None:
     from torchtitan.components.loss import ChunkedLossWrapper
 
     import fsdp_ext
-    from fsdp_ext.runtime import grads
+    from fsdp_ext.runtime.bucket import grads
     from .test_reduce_once import Decoder
     steps = 3
     with _patched(grads, "groups_sent", _every_group_sent if plant else None), \

@@ -31,7 +31,7 @@ class _WireCounter:
         self.torch_bytes = self.ours_bytes = 0
 
     def __enter__(self):
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         self._torch = dist.all_gather_single
         self._ours, self._issued = comm.all_gather_into, comm.issue_all_gather
 
@@ -52,7 +52,7 @@ class _WireCounter:
         return self
 
     def __exit__(self, *exc):
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         dist.all_gather_single = self._torch
         comm.all_gather_into, comm.issue_all_gather = self._ours, self._issued
 
@@ -99,7 +99,7 @@ def check_recipes_match_torch(rank: int, world: int) -> None:
 
 
 def _units(model: nn.Module):
-    from fsdp_ext.runtime.registry import units_of
+    from fsdp_ext.runtime.core.registry import units_of
     return units_of(model)
 
 

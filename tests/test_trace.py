@@ -14,7 +14,7 @@ import torch.distributed as dist
 import fsdp_ext
 from fsdp_ext.diagnostics import timeline
 from models import GPT, GPTConfig
-from fsdp_ext.runtime.trace import recording
+from fsdp_ext.runtime.core.trace import recording
 
 from .dist_utils import run_distributed
 
@@ -138,7 +138,7 @@ def test_trace_order_and_timeline_png(tmp_path):
 def test_timeline_labels_never_overlap(tmp_path):
     """Narrow neighbouring segments (the root's FWD0 just before BWD0, as around the loss) get at
     most one label between them; labels on one sub-row never overlap, wide bars keep theirs."""
-    from fsdp_ext.runtime.trace import Event
+    from fsdp_ext.runtime.core.trace import Event
 
     events, t = [], 0.0
     for kind, unit, dt in [("forward.begin", "", 0.0), ("forward.begin", "blocks.0", 0.004),

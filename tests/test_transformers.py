@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_ext
-from fsdp_ext.runtime.trace import recording
+from fsdp_ext.runtime.core.trace import recording
 
 from .dist_utils import global_mean, local_slice, run_distributed
 

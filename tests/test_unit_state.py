@@ -1,4 +1,4 @@
-"""The unit's state transitions (runtime/unit_state.py): a move from a state not allowed raises,
+"""The unit's state transitions (runtime/unit/states.py): a move from a state not allowed raises,
 naming the unit, its module type, the state found, the allowed ones and the target; an allowed one
 sets the new state."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from fsdp_ext.runtime.unit_state import ShardedState, StateError, TrainingState, move
+from fsdp_ext.runtime.unit.states import ShardedState, StateError, TrainingState, move
 
 
 def test_allowed_move_sets_the_state():

@@ -217,7 +217,7 @@ def count_gradient_collectives(path: str, impl: str) -> None:
     """Rank 0 writes to `path`, at exit, how many gradient reductions the run issued and the
     elements they sent: torch's FSDP2 reduce-scatters (reduce_scatter_single, one per parameter
     group and backward), fsdp_ext's reductions of a bucket (on gloo an in-place all-reduce of the
-    packed groups, runtime/comm.py)."""
+    packed groups, runtime/comm/collectives.py)."""
     import atexit
 
     import torch.distributed as dist
@@ -234,7 +234,7 @@ def count_gradient_collectives(path: str, impl: str) -> None:
         dist.reduce_scatter_single = counted(
             dist.reduce_scatter_single, lambda output, input, *a, **k: input.numel())
     else:
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         comm.reduce_scatter_groups = counted(
             comm.reduce_scatter_groups,
             lambda flat, layout, group, async_op, sent=None: layout.world_size * sum(

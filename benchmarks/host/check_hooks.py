@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fsdp_ext
 from examples.models import GPT, GPTConfig
-from fsdp_ext.runtime.registry import units_of
+from fsdp_ext.runtime.core.registry import units_of
 
 from ..common import free_port, init_rank, machine, machine_line
 

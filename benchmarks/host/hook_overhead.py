@@ -75,10 +75,11 @@ def _phases(chain, x, reps: int) -> dict[str, list[float]]:
 def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]]:
     """Seconds per call of each piece of the pre/post-forward hooks, on rank 0's sharded chain."""
     from fsdp_ext import _C
-    from fsdp_ext.runtime import comm, storage_cache
-    from fsdp_ext.runtime.schedule import Schedule
-    from fsdp_ext.runtime.unit import Unit
-    from fsdp_ext.runtime.unit_params import UnitParams
+    from fsdp_ext.runtime.comm import collectives as comm
+    from fsdp_ext.runtime.core import storage_cache
+    from fsdp_ext.runtime.unit.schedule import Schedule
+    from fsdp_ext.runtime.unit.unit import Unit
+    from fsdp_ext.runtime.unit.params import UnitParams
     pieces = [(Unit, "_pre_forward", "pre-forward hook"),
               (comm.Pending, "wait", "  wait for this unit's all-gather"),
               (UnitParams, "install_unsharded", "  point the parameters at the gathered views"),
@@ -119,7 +120,7 @@ def _pieces(d: int, k: int, x: torch.Tensor, reps: int) -> dict[str, list[float]
 def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
     """After sleeping: a Python no-op call, and the wait on a long-finished unit all-gather."""
     from fsdp_ext import env
-    from fsdp_ext.runtime import comm, process_groups
+    from fsdp_ext.runtime.comm import collectives as comm, process_groups
     rank, world = dist.get_rank(), dist.get_world_size()
     group = (process_groups.issue_thread_group(dist.group.WORLD)
              if comm.Streams(torch.device("cpu"), None, env.read().issue_thread).issue_thread
@@ -147,7 +148,7 @@ def _cold_costs(sleep_s: float, reps: int) -> dict[str, float]:
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
     init_rank(rank, world_size, port, timeout_s=300)
-    from fsdp_ext.runtime import process_groups
+    from fsdp_ext.runtime.comm import process_groups
     alone = process_groups.subgroup([rank])  # every hook runs, nothing to gather from peers
     configs = [(f"d={args.d}, k={args.k}, world {world_size}", args.d, args.k, None),
                (f"d=64, k={args.k}, one-rank group", 64, args.k, alone),

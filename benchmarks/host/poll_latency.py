@@ -1,5 +1,5 @@
 """How long after the device finished the host's bounded wait notices: the end-of-backward flag
-read (runtime/host_reads.py: wait_bounded), against the fixed 100 us sleep between queries it
+read (runtime/core/host_reads.py: wait_bounded), against the fixed 100 us sleep between queries it
 replaced.
 
 An event completes at a random moment (0.05 to 5 ms after the wait starts: a step's last
@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from fsdp_ext.runtime import host_reads, streams
+from fsdp_ext.runtime.core import host_reads, streams
 
 
 class _ClockEvent:

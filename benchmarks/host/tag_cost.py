@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fsdp_ext.runtime import comm
+from fsdp_ext.runtime.comm import collectives as comm
 
 from ..common import (RESULTS, command, free_port, init_rank, machine, machine_line, markdown_table,
                       write_results)
@@ -48,7 +48,7 @@ SIZES = [(4_194_304, "float32"), (1024, "float32")]  # a block's weights and its
 def _checker_class():
     """The tags' checker, wherever the package being measured keeps it."""
     try:
-        from fsdp_ext.runtime.collective_tags import CollectiveChecker
+        from fsdp_ext.runtime.comm.collective_tags import CollectiveChecker
     except ImportError:  # the package before the tags and the peer watch were two modules
         from fsdp_ext.runtime.fingerprints import CollectiveChecker
     return CollectiveChecker

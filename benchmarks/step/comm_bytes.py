@@ -2,7 +2,7 @@
 setting, beside DDP's: the step benchmark's model (benchmarks/step/frameworks.py), one step after
 a warm-up, counted at the runtime's collective entry points (the buffers it hands to gloo),
 converted to what one rank sends on a ring: all-gather and all-to-all (W - 1) / W of the buffer,
-all-reduce 2 (W - 1) / W (gloo's reduction here is an in-place all-reduce, runtime/comm.py). DDP's
+all-reduce 2 (W - 1) / W (gloo's reduction here is an in-place all-reduce, runtime/comm/collectives.py). DDP's
 line is computed, not counted: one all-reduce of every gradient in fp32.
 
     python -m benchmarks.step.comm_bytes [--world-size 2]
@@ -31,7 +31,7 @@ class _Counter:
         self.sent[kind] = self.sent.get(kind, 0.0) + factor * buffer_bytes
 
     def __enter__(self):
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         w = self.world
         ring = (w - 1) / w
         self._saved = (comm.issue_all_gather, comm.all_gather_into, comm.reduce_scatter_groups,
@@ -61,7 +61,7 @@ class _Counter:
         return self
 
     def __exit__(self, *exc):
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         (comm.issue_all_gather, comm.all_gather_into, comm.reduce_scatter_groups,
          comm.dist.all_to_all_single) = self._saved
 

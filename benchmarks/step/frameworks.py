@@ -10,14 +10,14 @@ same AdamW; only the wrapping differs:
     local     no wrapping, no communication: each rank trains its own replica. The compute floor
               every framework pays; not a data-parallel training run.
 and, on request (--frameworks), fsdp_ext's candidate ways to gather its DTensor parameters
-(fsdp_ext/runtime/layout.py, [Note: gather groups]) and its FSDP1 layout:
+(fsdp_ext/runtime/bucket/layout.py, [Note: gather groups]) and its FSDP1 layout:
     fsdp_ext-direct   every parameter gathered directly into its place (one collective each)
     fsdp_ext-copied   every parameter of a unit gathered in one collective, then copied out
     fsdp_ext-flat     fsdp_ext.FullyShardedDataParallel: the flat layout with 1-D views (FSDP1's)
     fsdp_ext-unchecked  fsdp_ext with its collective tags off after the first forward (their cost)
     fsdp_ext-sync-tags  fsdp_ext checking every tag on the host at its wait after the first forward
                         (FSDP_EXT_CHECK=sync: on GPUs, a host sync per collective)
-and fsdp_ext with a CommPolicy (fewer bytes on the wire, runtime/comm_policy.py):
+and fsdp_ext with a CommPolicy (fewer bytes on the wire, runtime/wire/comm_policy.py):
     fsdp_ext-int8w        int8 parameter all-gathers
     fsdp_ext-int8w-int8g  int8 parameter all-gathers and int8 all-to-all gradient reduction
     fsdp_ext-fp8w-bf16g   fp8 parameter all-gathers, bf16 gradient reduction
@@ -107,8 +107,8 @@ def _wrap_fsdp_ext_split(direct_min_numel: int):
     def wrap(model, device, options):
         from fsdp_ext import MixedPrecisionPolicy
         from fsdp_ext.api.fully_shard import shard_module
-        from fsdp_ext.runtime.schedule_options import ScheduleOptions
-        from fsdp_ext.runtime.unit_config import UnitOptions
+        from fsdp_ext.runtime.unit.schedule_options import ScheduleOptions
+        from fsdp_ext.runtime.unit.config import UnitOptions
 
         def config():  # (each unit its own options record)
             return UnitOptions(mp=MixedPrecisionPolicy(), layout="rows",

@@ -1,5 +1,5 @@
 """The gradient reduction on gloo, two ways, side by side: fsdp_ext's (an all-reduce in place of
-the packed [W * S] buffer, each rank keeping its region: runtime/comm.py) and torch's FSDP2's
+the packed [W * S] buffer, each rank keeping its region: runtime/comm/collectives.py) and torch's FSDP2's
 (`reduce_scatter_tensor` of the same buffer into an [S] output). Per world size and buffer size:
 the median time per call over `--iters` calls (after a warm-up), the bytes that crossed the
 loopback interface per call and rank (/proc/net/dev, every rank's traffic, divided by W), and

@@ -74,7 +74,7 @@ class Bytes:
 
     def install(self) -> None:
         import torch.distributed.fsdp._fully_shard._fsdp_param_group as torch_group
-        from fsdp_ext.runtime import comm
+        from fsdp_ext.runtime.comm import collectives as comm
         issue, gather = comm.issue_all_gather, comm.all_gather_into
         torch_gather = torch_group.foreach_all_gather
 

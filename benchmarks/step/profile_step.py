@@ -21,7 +21,7 @@ from .frameworks import DEFAULT, FRAMEWORKS, LARGE, build_model, make_batch, wra
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
-    from fsdp_ext.runtime.trace import recording
+    from fsdp_ext.runtime.core.trace import recording
     init_rank(rank, world_size, port, threads=args.threads, timeout_s=600)
     cfg = LARGE if args.large else DEFAULT
     device = torch.device("cpu")

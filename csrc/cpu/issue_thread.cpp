@@ -15,7 +15,7 @@
 //
 // Collectives of one process group must be issued in the same order on every member. Everything
 // submitted here goes to process groups that only this thread uses (see
-// fsdp_ext/runtime/comm.py:issue_thread_group), and one thread keeps the submission order, which the
+// fsdp_ext/runtime/comm/collectives.py:issue_thread_group), and one thread keeps the submission order, which the
 // unit schedule makes the same on every rank. Nothing here waits for a peer: broadcasts are
 // asynchronous, and the caller waits on the returned work handles.
 #include "../issue_thread.h"
@@ -143,7 +143,7 @@ class GatherJob {
       const GroupPtr& group = *group_;
       const int64_t world = group->getSize();
       const int64_t chunk = full.numel() / world;
-      for (int64_t r = 0; r < world; ++r) {  // one broadcast per rank, in place: see comm.py
+      for (int64_t r = 0; r < world; ++r) {  // one broadcast per rank, in place: see runtime/comm/collectives.py
         std::vector<at::Tensor> tensors{full.narrow(0, r * chunk, chunk)};
         c10d::BroadcastOptions options;
         options.rootRank = r;

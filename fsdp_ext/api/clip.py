@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import dtensor_params, streams
-from ..runtime.errors import NonFiniteGradientError
-from ..runtime.registry import units_of
+from ..runtime.placement import dtensor_params
+from ..runtime.core import streams
+from ..runtime.core.errors import NonFiniteGradientError
+from ..runtime.core.registry import units_of
 
 
 def _reduction_groups(bucket, slot) -> tuple:

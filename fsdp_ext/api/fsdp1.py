@@ -17,10 +17,10 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision
                                     StateDictSettings, StateDictType)
 
 from .. import env
-from ..runtime.registry import unit_of, units_of
-from ..runtime.schedule_options import ScheduleOptions
-from ..runtime.unit_config import UnitOptions
-from ..runtime.unit_state import TrainingState as UnitState
+from ..runtime.core.registry import unit_of, units_of
+from ..runtime.unit.schedule_options import ScheduleOptions
+from ..runtime.unit.config import UnitOptions
+from ..runtime.unit.states import TrainingState as UnitState
 from ..state import state_dict as _sd
 from ..state.summon import summon_full_params
 from . import default_group, fsdp1_state, options

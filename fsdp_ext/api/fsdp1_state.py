@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     OptimStateKeyType, ShardedOptimStateDictConfig,
                                     ShardedStateDictConfig, StateDictSettings, StateDictType)
 
-from ..runtime.registry import units_of
+from ..runtime.core.registry import units_of
 from ..state import state_dict as _sd
 from ..state.load_optim_state_dict import to_local_optim_state_dict
 from ..state.optim_state_dict import optim_state_dict as _optim_state_dict

@@ -15,12 +15,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from ..runtime import comm, process_groups
-from ..runtime.adopt import refuse_cast
-from ..runtime.forward_methods import run_method
-from ..runtime.registry import UNIT_ATTR, unit_of
-from ..runtime.schedule_options import ScheduleOptions
-from ..runtime.unit import Unit
+from ..runtime.comm import collectives as comm, process_groups
+from ..runtime.bucket.adopt import refuse_cast
+from ..runtime.unit.forward_methods import run_method
+from ..runtime.core.registry import UNIT_ATTR, unit_of
+from ..runtime.unit.schedule_options import ScheduleOptions
+from ..runtime.unit.unit import Unit
 from ..state.load_checks import load_problems
 from .clip import clip_grad_norm_
 
@@ -277,7 +277,7 @@ class FSDPModule(_TorchFSDPModule):
     def _apply(self, *args, **kwargs):
         """nn.Module._apply (`to_empty`, `to`, ...) gives the modules new parameter tensors: the
         unit copies them into its shard (allocating it if it was on meta) and points them back.
-        A cast to another dtype is refused first, for every unit below (runtime/adopt.py)."""
+        A cast to another dtype is refused first, for every unit below (runtime/bucket/adopt.py)."""
         refuse_cast(_units_under(self, recurse=True), args[0] if args else kwargs["fn"])
         self._unit.reshard()
         result = nn.Module._apply(self, *args, **kwargs)
@@ -309,7 +309,7 @@ def _schedule_options(unit) -> ScheduleOptions:
     """The options record a schedule-wide setter writes: the root schedule's once a forward ran
     (from any module of the tree); before that the unit's own, which the schedule reads if the
     unit becomes the root (torch's FSDP2 likewise keeps what was set on its root before lazy
-    initialisation, runtime/schedule_options.py)."""
+    initialisation, runtime/unit/schedule_options.py)."""
     return unit.schedule.options if unit.schedule is not None else unit.options
 
 

@@ -11,14 +11,15 @@ from torch import nn
 from ..diagnostics.input_checks import check_mesh_and_groups
 from ..diagnostics.optim_check import install_step_check
 from .. import env
-from ..runtime import comm, process_groups, storage_cache, streams
-from ..runtime.comm_policy import check_policy
-from ..runtime.registry import UNIT_ATTR, name_replaced_from, unit_of
+from ..runtime.comm import collectives as comm, process_groups
+from ..runtime.core import storage_cache, streams
+from ..runtime.wire.comm_policy import check_policy
+from ..runtime.core.registry import UNIT_ATTR, name_replaced_from, unit_of
 from . import pipelining
-from ..runtime.schedule_options import ScheduleOptions
-from ..runtime.list_unit import ListUnit
-from ..runtime.unit import Unit
-from ..runtime.unit_config import UnitConfig, UnitOptions
+from ..runtime.unit.schedule_options import ScheduleOptions
+from ..runtime.unit.list_unit import ListUnit
+from ..runtime.unit.unit import Unit
+from ..runtime.unit.config import UnitConfig, UnitOptions
 from ..state.hooks import install_state_dict_hooks
 from . import default_group, options
 from .dp_mesh_dims import data_parallel_mesh
@@ -135,7 +136,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             soon as a NaN/Inf gradient reaches this unit's reduce-scatter (one extra tiny
             all-reduce per bucket; default: FSDP_EXT_CHECK_FINITE_GRADS=1, else off).
         comm_policy: fsdp_ext extension: a CommPolicy putting fewer bytes on the wire (int8 or
-            fp8 parameter all-gathers, int8 or bf16 gradient reductions; runtime/comm_policy.py).
+            fp8 parameter all-gathers, int8 or bf16 gradient reductions; runtime/wire/comm_policy.py).
             None (default): the root's, if it has one; else exact.
     """
     members = _members(module)
@@ -187,7 +188,7 @@ def shard_module(module: nn.Module, *, mesh=None, process_group=None,
     here, once, with its groups made from `mesh` or `process_group` and the environment read
     for this call (fsdp_ext/env.py).
     `options.direct_min_numel` (rows: which parameters are gathered directly,
-    runtime/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
+    runtime/bucket/layout.py) is for benchmarks. `module` may be a list (fully_shard's)."""
     members = _members(module)
     for member in members:
         if unit_of(member) is not None:

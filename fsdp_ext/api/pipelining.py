@@ -28,8 +28,8 @@ from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
 from torch.distributed._composable.replicate_with_fsdp import replicate as _torch_replicate
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
-from ..runtime.grads import reduce_accumulated
-from ..runtime.registry import unit_of, units_with_paths
+from ..runtime.bucket.grads import reduce_accumulated
+from ..runtime.core.registry import unit_of, units_with_paths
 
 
 # The key torch's `fully_shard.state(module)` reads: the undecorated function its `contract`

@@ -15,9 +15,9 @@ from torch.distributed._composable.replicate_with_fsdp import ReplicateModule as
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..runtime.placement.replicated import Replicated
-from ..runtime.registry import unit_of
-from ..runtime.schedule_options import ScheduleOptions
-from ..runtime.unit_config import UnitOptions
+from ..runtime.core.registry import unit_of
+from ..runtime.unit.schedule_options import ScheduleOptions
+from ..runtime.unit.config import UnitOptions
 from . import default_group, options, pipelining
 from .dp_mesh_dims import data_parallel_mesh
 from .fsdp_module import FSDPModule

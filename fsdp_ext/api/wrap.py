@@ -23,7 +23,7 @@ from torch.distributed.fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, _Policy
                                          transformer_auto_wrap_policy)
 from torch.utils._pytree import tree_map
 
-from ..runtime.registry import unit_of
+from ..runtime.core.registry import unit_of
 
 NEVER_UNITS = (nn.ModuleList, nn.ModuleDict)  # containers whose forward() is never called
 

@@ -13,8 +13,8 @@ import sys
 
 from torch import nn
 
-from ..runtime.registry import unit_name, units_with_paths
-from ..runtime.unit import Unit
+from ..runtime.core.registry import unit_name, units_with_paths
+from ..runtime.unit.unit import Unit
 
 
 def _units_with_names(model: nn.Module) -> list[tuple[str, Unit, list[str]]]:

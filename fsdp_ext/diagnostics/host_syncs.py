@@ -67,18 +67,18 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.o
 @dataclass(frozen=True)
 class HostSync:
     kind: str        # "item", "tolist", "tensor(data, device=...)", "Event.synchronize", ...
-    site: str        # "fsdp_ext/runtime/collective_tags.py:229 (_check)"
+    site: str        # "fsdp_ext/runtime/comm/collective_tags.py:229 (_check)"
     origin: str      # "runtime" | "api" | "user" | "setup"
     scenario: str
     step: int        # the root's iteration (0: before any root's first forward)
 
 
 # Frames that are never the call site: the streams seam (its caller is) and the checker itself.
-_SEAM = "fsdp_ext/runtime/streams.py"
+_SEAM = "fsdp_ext/runtime/core/streams.py"
 # Where the runtime builds a unit (fully_shard, FullyShardedDataParallel): set-up, not a step,
 # even when it runs between another model's steps.
-_SETUP = {("fsdp_ext/runtime/unit.py", "__init__"), ("fsdp_ext/api/fully_shard.py", "fully_shard"),
-          ("fsdp_ext/api/fsdp1.py", "__init__")}
+_SETUP = {("fsdp_ext/runtime/unit/unit.py", "__init__"),
+          ("fsdp_ext/api/fully_shard.py", "fully_shard"), ("fsdp_ext/api/fsdp1.py", "__init__")}
 
 
 def _frames() -> tuple[str, str]:
@@ -335,11 +335,11 @@ def copy_blocks(counter: HostSyncCounter, func, args, kwargs, model) -> str | No
 # in all (ALLOWED_PER_STEP), at one of these; everything else the runtime does in a step must not
 # block the host.
 ALLOWED = {
-    ("fsdp_ext/runtime/host_reads.py", "wait_bounded"): (
+    ("fsdp_ext/runtime/core/host_reads.py", "wait_bounded"): (
         1, "the collective tags' one check per step (read_flags), at the end of the backward that "
            "reduces gradients (a mismatch raises on every rank before an optimizer step can use "
            "the data); with CPU offload it also covers the host shards' copies to the device"),
-    ("fsdp_ext/runtime/host_reads.py", "sync"): (
+    ("fsdp_ext/runtime/core/host_reads.py", "sync"): (
         1, "CPU offload without the tags on the device: the host shards are written by the "
            "optimizer step, after their copies to the device (read by the forward) completed "
            "(FSDP2 waits the same way)"),

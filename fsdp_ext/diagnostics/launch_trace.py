@@ -24,11 +24,11 @@ Records, in the order the host issues them:
     (`.item()`, a blocking copy between host and device, a tensor made from Python data on the
     device: a copy from pageable memory that waits for its stream). A sync announced by
     `on_host_sync` and then seen by the model too is recorded once.
-  * Mark: the runtime's timeline events (runtime/trace.py: "all_gather.issue", "forward.begin",
+  * Mark: the runtime's timeline events (runtime/core/trace.py: "all_gather.issue", "forward.begin",
     ...), which also give every other record its unit.
 
 CPU substitutions, recorded as what the GPU path issues:
-  * a CPU all-gather is one `broadcast_` per rank into the gathered buffer (comm.py): the run of
+  * a CPU all-gather is one `broadcast_` per rank into the gathered buffer (runtime/comm/collectives.py): the run of
     broadcasts into one buffer becomes ONE all-gather of the total bytes;
   * the gradient reduce-scatter is an in-place `allreduce_` of the packed buffer on the
     reduce_scatter stream: the first all-reduce inside a reduce-scatter's launch becomes ONE
@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import flop_counter
 
-from ..runtime import streams as _streams
-from ..runtime import trace as runtime_trace
+from ..runtime.core import streams as _streams
+from ..runtime.core import trace as runtime_trace
 from . import stream_check as _sc
 from .stream_check import HOST, StreamModel
 
@@ -123,7 +123,7 @@ class HostSync:
 
 @dataclass
 class Mark:
-    kind: str                   # runtime/trace.py's event kinds
+    kind: str                   # runtime/core/trace.py's event kinds
     unit: str
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime import dtensor_params, storage_cache
-from ..runtime.registry import units_of
+from ..runtime.placement import dtensor_params
+from ..runtime.core import storage_cache
+from ..runtime.core.registry import units_of
 
 
 def _storage_bytes(tensors) -> int:

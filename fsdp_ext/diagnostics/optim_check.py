@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..runtime.registry import replaced_where, units_of
+from ..runtime.core.registry import replaced_where, units_of
 
 # id(optimizer) -> (a weak reference to it, its number of param groups when checked). The weak
 # reference's callback drops the entry when the optimizer goes, before its id can be reused.

@@ -5,7 +5,7 @@ side-stream path, found without a GPU.
         ...                          # the runtime takes its side-stream path on CPU tensors
     # leaving the block raises StreamOrderError listing what was found (report.problems)
 
-Inside the block the streams seam (runtime/streams.py) has StreamModel as its backend, so the
+Inside the block the streams seam (runtime/core/streams.py) has StreamModel as its backend, so the
 runtime creates side streams, records and waits events and frees buffers exactly as on a GPU, while
 the tensors are CPU tensors and the collectives run on gloo. Nothing is delayed: results are those
 of a correct program. What the model checks is whether the order the runtime asked for would make
@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..runtime import streams
+from ..runtime.core import streams
 from .host_syncs import HostSyncCounter, SyncCalls, copy_blocks, unseen_read
 
 HOST = "host"

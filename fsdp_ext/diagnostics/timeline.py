@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..runtime.trace import Event
+from ..runtime.core.trace import Event
 
 _COMM = {"all_gather": "AG", "reduce_scatter": "RS"}
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.comm import all_gather_into
-from ..runtime.registry import units_of
+from ..runtime.comm.collectives import all_gather_into
+from ..runtime.core.registry import units_of
 from .comm_model import Link, fit_link
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..runtime.layout import flat_layout, rows_layout
-from ..runtime.param_buckets import DIRECT_MIN_NUMEL
-from ..runtime.schedule_options import ScheduleOptions
+from ..runtime.bucket.layout import flat_layout, rows_layout
+from ..runtime.bucket.param_buckets import DIRECT_MIN_NUMEL
+from ..runtime.unit.schedule_options import ScheduleOptions
 from .comm_model import Link, all_gather_s, all_reduce_s, reduce_scatter_s
 from .measure import UnitSpec
 
@@ -47,7 +47,7 @@ class Estimate:
 
 
 def padded_numel(spec: UnitSpec, shards: int) -> int:
-    """What a unit gathers, padding included, as the runtime lays it out (runtime/layout.py):
+    """What a unit gathers, padding included, as the runtime lays it out (runtime/bucket/layout.py):
     `shards` times each rank's shard. (One bucket: the planner assumes one dtype per unit.)"""
     if spec.layout == "flat":
         return flat_layout(spec.shapes, shards, 0).full_numel
@@ -75,7 +75,7 @@ class PlanInputs:
     contention: float = 1.0          # then: share of overlapped communication that still adds
     copy_bytes_per_s: float = 0.0    # CPU: the copies around each collective cost compute time
     grads_set_to_none: bool = True   # zero_grad(set_to_none=True): gradient shards freed
-    # A CommPolicy (runtime/comm_policy.py): bytes per element on the wire (0: as computed in),
+    # A CommPolicy (runtime/wire/comm_policy.py): bytes per element on the wire (0: as computed in),
     # and the quantize / dequantize passes' cost per byte they read and write (0: none)
     wire_param_bytes: float = 0.0
     wire_reduce_bytes: float = 0.0

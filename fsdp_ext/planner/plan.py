@@ -100,7 +100,7 @@ def plan(model: nn.Module, world_size: int, *, unit_classes=None, loss_fn=None,
                                                                      itemsize),
         state_bytes=itemsize, comm_hides=hides,
         copy_bytes_per_s=measure.copy_bytes_per_second() if device_type == "cpu" else 0.0,
-        reduce_is_all_reduce=device_type == "cpu")  # gloo: an in-place all-reduce (runtime/comm.py)
+        reduce_is_all_reduce=device_type == "cpu")  # gloo: an in-place all-reduce (runtime/comm/collectives.py)
     if comm_policy is not None:
         per_scale = 4 / comm_policy.block_size
         if comm_policy.param_gather is not None:

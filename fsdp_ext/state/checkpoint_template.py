@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..runtime import dtensor_params
+from ..runtime.placement import dtensor_params
 from .checkpoint_files import CheckpointError
 from .optim_state_dict import param_infos
 from .sharded_tensor import flat_sharded_tensor, local_param_range

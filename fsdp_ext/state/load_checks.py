@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from ..runtime.registry import units_of
+from ..runtime.core.registry import units_of
 from .names import unwrapped_name
 
 

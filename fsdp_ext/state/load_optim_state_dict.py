@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from ..runtime import dtensor_params
+from ..runtime.placement import dtensor_params
 from .optim_state_dict import ParamInfo, param_infos
 from .sharded_tensor import local_param_range, local_part_of
 

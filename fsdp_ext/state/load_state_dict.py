@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from .. import ops
-from ..runtime import dtensor_params
-from ..runtime.registry import unit_of
+from ..runtime.placement import dtensor_params
+from ..runtime.core.registry import unit_of
 from .sharded_tensor import local_param_range, local_part_of
 from .state_dict import StateDictSettings, slot_keys, state_dict_settings
 

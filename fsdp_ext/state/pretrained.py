@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime.registry import units_of
+from ..runtime.core.registry import units_of
 from .load_checks import expected_shapes
 from .names import unwrapped_name
 

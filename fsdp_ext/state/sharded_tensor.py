@@ -18,7 +18,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                                TensorProperties)
 
-from ..runtime.bucket import Bucket
+from ..runtime.bucket.bucket import Bucket
 
 
 def local_param_range(bucket: Bucket, index: int) -> tuple[int, int]:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import dtensor_params
-from ..runtime.registry import unit_of, units_of
+from ..runtime.placement import dtensor_params
+from ..runtime.core.registry import unit_of, units_of
 from .names import unwrapped_name
 from .sharded_tensor import flat_sharded_tensor
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.registry import unit_of, units_of
-from ..runtime.unit import ensure_root
+from ..runtime.core.registry import unit_of, units_of
+from ..runtime.unit.unit import ensure_root
 from .state_dict import gather_bucket
 
 

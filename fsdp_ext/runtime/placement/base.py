@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .. import dtensor_params
-from ..groups import Groups
+from . import dtensor_params
+from ..comm.groups import Groups
 
 
 class Placement:

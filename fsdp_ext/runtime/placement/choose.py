@@ -2,7 +2,7 @@
 places it: the one place that looks at what a parameter is."""
 from __future__ import annotations
 
-from .. import dtensor_params
+from . import dtensor_params
 from .base import Placement
 from .model_parallel import TensorParallel
 from .replicated import Replicated

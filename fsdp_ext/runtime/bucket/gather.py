@@ -7,7 +7,7 @@
     collective per group (an in-place all-gather)
     copy-out:  copied groups' staging unpacked into each parameter's place, one launch; staging freed
 
-`start` is the unit's one all-gather path, for every wire format (wire.py), behind the streams
+`start` is the unit's one all-gather path, for every wire format (wire/), behind the streams
 seam: on CPU the copy-in and the collectives run on the issue thread (comm.issue_all_gather), with
 side streams on the all-gather stream (comm.Streams.launch), else on the calling thread;
 `InFlightGather.finish` waits and lets each bucket's wire format finish (copy-out, dequantize,
@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
-from . import comm, process_groups, wire
+from ... import ops
+from ..comm import collectives as comm, process_groups
+from ..wire import exact as wire
 from .bucket import Bucket
-from .offload import to_compute_device
-from .trace import profiler_range
+from ..core.offload import to_compute_device
+from ..core.trace import profiler_range
 
 
 @dataclass(eq=False)
@@ -69,7 +70,7 @@ def start(buckets: list[Bucket], chunks, group, slot: int, world: int, streams_:
           offload: bool, label: str, name: str, tags, after_event=None) -> InFlightGather:
     """Gather every bucket into its gathered buffer: this rank's shard, or its post-forward
     `chunks`, goes into `slot`; `group` None is a local copy. What goes on the wire is each
-    bucket's wire format's (wire.py); the path is the same for all. `tags()` makes the
+    bucket's wire format's (wire/); the path is the same for all. `tags()` makes the
     collectives' tags (collective_tags.py), exchanged on the collectives' own order."""
     kind = "all_gather" if group is not None else "unshard_copy"
     if streams_.issue_thread:  # CPU: copy-in and broadcasts off this thread

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dtensor_params
+from ..placement import dtensor_params
 from .bucket import OWNER_ATTR, mark_owner
 
 

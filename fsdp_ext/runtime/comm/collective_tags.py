@@ -44,10 +44,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import streams
-from .comm import all_gather_flat, wait_work
-from .errors import CollectiveMismatchError
-from .host_reads import wait_bounded
+from ..core import streams
+from .collectives import all_gather_flat, wait_work
+from ..core.errors import CollectiveMismatchError
+from ..core.host_reads import wait_bounded
 from .peer_watch import PeerWatch
 
 _FLAGS_PER_BUFFER = 256  # tag flags per pinned host buffer (a step of a 40-unit model needs ~120)

@@ -23,7 +23,7 @@ import weakref
 
 import torch.distributed as dist
 
-from .errors import CollectiveError
+from ..core.errors import CollectiveError
 
 _NAMESPACES = itertools.count()  # watches made in this process, in the same order on every rank
 STORE_WAIT_S = 10.0  # how long to wait for the other ranks' records (a mismatch's accounts)

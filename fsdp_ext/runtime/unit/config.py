@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .comm import Groups
-from .comm_policy import CommPolicy
-from ..env import Environment
-from .mixed_precision import MixedPrecisionPolicy
-from .offload import CPUOffloadPolicy
+from ..comm.collectives import Groups
+from ..wire.comm_policy import CommPolicy
+from ...env import Environment
+from ..core.mixed_precision import MixedPrecisionPolicy
+from ..core.offload import CPUOffloadPolicy
 from .schedule_options import ScheduleOptions
 
 

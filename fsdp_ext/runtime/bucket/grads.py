@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
-from . import comm, finite, storage_cache
+from ... import ops
+from ..comm import collectives as comm
+from . import finite
+from ..core import storage_cache
 from .bucket import Bucket
-from .mixed_precision import divide_factors
-from .offload import copy_to_host, to_host
-from .trace import RECORDER, profiler_range, span
+from ..core.mixed_precision import divide_factors
+from ..core.offload import copy_to_host, to_host
+from ..core.trace import RECORDER, profiler_range, span
 
 
 def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,

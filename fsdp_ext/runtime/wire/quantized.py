@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from . import comm, streams
-from .wire import ExactWire, GatherBuffers, copy_out, sources, targets
+from ... import ops
+from ..comm import collectives as comm
+from ..core import streams
+from .exact import ExactWire, GatherBuffers, copy_out, sources, targets
 
 
 def with_policy(wire, policy):

@@ -7,7 +7,7 @@ every tensor they have. Nothing outside this class assigns them; its methods are
     full_data                  its alias: filled, refilled and freed through this one
     chunks                     reshard_after_forward=k: this rank's kept post-forward chunks
     grads                      what the gradient path keeps across micro-batches (grad_state.py)
-    wire                       what goes on the wire and how it comes back (wire.py)
+    wire                       what goes on the wire and how it comes back (wire/exact.py)
     per parameter (ParamSlot): its shard view and gradient view, shaped as the parameter's local
                                tensor (a 1-D range: flat layout; its rows: rows layout), and the
                                gradient's DTensor face (rows layout)
@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import ops
-from . import dtensor_params, storage_cache, streams
+from ... import ops
+from ..placement import dtensor_params
+from ..core import storage_cache, streams
 from .grad_state import BucketGrads
 from .layout import BucketLayout
-from .wire_quantized import with_policy
-from .offload import host_empty
-from .placement.base import Placement
-from .registry import record_replaced
+from ..wire.quantized import with_policy
+from ..core.offload import host_empty
+from ..placement.base import Placement
+from ..core.registry import record_replaced
 
 OWNER_ATTR = "_fsdp_ext_owner"  # set on each sharded parameter: which module's unit holds it
 
@@ -118,7 +119,7 @@ class Bucket:
     def init_gathered(self, device: torch.device, param_dtype: torch.dtype | None) -> None:
         """The gathered buffer, without storage until first gathered (a subclass bucket's is an
         empty anchor that takes it into the unit's autograd function and names the gradients'
-        dtype: wire_subclass.py)."""
+        dtype: wire/subclass.py)."""
         full = torch.empty(self.wire.gathered_numel(self), dtype=param_dtype or self.dtype,
                            device=device)
         streams.free_storage(full)

@@ -22,18 +22,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import gather, unit_checks
-from .adopt import adopt_params
-from .grads import reduce_bucket
-from .mixed_precision import cast_floating
-from .param_buckets import build_unit_buckets
+from ..bucket import gather
+from . import checks as unit_checks
+from ..bucket.adopt import adopt_params
+from ..bucket.grads import reduce_bucket
+from ..core.mixed_precision import cast_floating
+from ..bucket.param_buckets import build_unit_buckets
 from .schedule import Schedule
-from .trace import RECORDER, begin_range, end_range, profiler_range, span
-from .unit_config import UnitConfig
-from .unit_lifecycle import UnitLifecycle
-from .unit_settings import UnitSettings
-from .unit_params import UnitParams
-from .unit_state import Installed, ShardedState, TrainingState, move
+from ..core.trace import RECORDER, begin_range, end_range, profiler_range, span
+from .config import UnitConfig
+from .lifecycle import UnitLifecycle
+from .settings import UnitSettings
+from .params import UnitParams
+from .states import Installed, ShardedState, TrainingState, move
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 

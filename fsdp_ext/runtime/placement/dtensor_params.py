@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .process_groups import subgroup
+from ..comm.process_groups import subgroup
 
 
 def storage_mesh(mesh: DeviceMesh | None, shard_group, replicate_group,
@@ -67,7 +67,7 @@ def _wrap(local: torch.Tensor, sharding: DTensorSpec) -> DTensor:
     checkpoint stager (dcp.async_save) tells a plain tensor from a wrapper, so it then copies the
     wrapper's (invalid) storage and fails. Built over a zero-offset view of the same storage (no
     copy), then given `local`, the wrapper looks as FSDP2's own do. A tensor subclass (its
-    own storage-less wrapper, wire_subclass.py) is wrapped as it is."""
+    own storage-less wrapper, wire/subclass.py) is wrapped as it is."""
     if dispatches_itself(local):
         return DTensor(local, sharding, requires_grad=False)
     at_zero = local.as_strided(local.shape, local.stride(), 0)

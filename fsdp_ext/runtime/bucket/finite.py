@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import NonFiniteGradientError
+from ..core.errors import NonFiniteGradientError
 
 
 def merge_flags(flags: torch.Tensor | None, grads, device: torch.device) -> torch.Tensor:

@@ -40,8 +40,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import DefaultTimeout, wait_work
-from .errors import CollectiveError
+from .collectives import DefaultTimeout, wait_work
+from ..core.errors import CollectiveError
 from .peer_watch import default_store, poll
 
 _GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from . import dtensor_params, streams
-from .dtensor_params import dispatches_itself
-from .wire import ExactWire, GatherBuffers
+from ..placement import dtensor_params
+from ..core import streams
+from ..placement.dtensor_params import dispatches_itself
+from .exact import ExactWire, GatherBuffers
 
 _ALIGN_BYTES = 16  # each input's bytes start aligned in the staging buffer
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import env, ops
+from ... import env, ops
 from . import streams
 
 if ops.HAVE_EXTENSION:
-    from .. import _C
+    from ... import _C
 
 MIN_BYTES = 1 << 20  # below this glibc serves the block from its heap, no fresh pages
 # Process-wide, as the cache is: FSDP_EXT_STORAGE_CACHE=0 turns it off (fsdp_ext/env.py, read

@@ -18,12 +18,13 @@ from enum import Enum, auto
 
 import torch
 
-from . import comm, process_groups, streams
-from .collective_tags import CollectiveChecker
-from .host_reads import HostReads
-from .registry import unit_name, units_with_paths
-from .trace import RECORDER
-from .unit_state import move
+from ..comm import collectives as comm, process_groups
+from ..core import streams
+from ..comm.collective_tags import CollectiveChecker
+from ..core.host_reads import HostReads
+from ..core.registry import unit_name, units_with_paths
+from ..core.trace import RECORDER
+from .states import move
 
 SINGLE_PROCESS = (
     "fsdp_ext: no process group and no launcher: this is one process and nothing is sharded "

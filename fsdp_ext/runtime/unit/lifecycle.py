@@ -4,10 +4,10 @@ failure, registered forward methods and summon_full_params. Every state change g
 `move` (unit_state.py)."""
 from __future__ import annotations
 
-from . import unit_checks
-from .comm_policy import policy_in_effect
-from .registry import unit_name
-from .unit_state import TrainingState, move
+from . import checks as unit_checks
+from ..wire.comm_policy import policy_in_effect
+from ..core.registry import unit_name
+from .states import TrainingState, move
 
 
 class UnitLifecycle:

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from . import comm, dtensor_params, storage_cache
+from ... import ops
+from ..comm import collectives as comm
+from ..placement import dtensor_params
+from ..core import storage_cache
 
 
 @dataclass(eq=False)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import dtensor_params, gather
+from ..placement import dtensor_params
+from ..bucket import gather
 from .backward_uses import BackwardUses
-from .bucket import Bucket, set_module_param
-from .param_buckets import init_sharded_state
-from .unit_state import GATHERED, Installed, ShardedState, StateError, move
+from ..bucket.bucket import Bucket, set_module_param
+from ..bucket.param_buckets import init_sharded_state
+from .states import GATHERED, Installed, ShardedState, StateError, move
 
 
 class _UnshardedViews(torch.autograd.Function):

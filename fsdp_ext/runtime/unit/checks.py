@@ -3,8 +3,8 @@ left on the meta device, and a submodule called while its parameters are sharded
 before any collective, naming the parameter or module and its unit."""
 from __future__ import annotations
 
-from . import dtensor_params
-from .unit_state import Installed
+from ..placement import dtensor_params
+from .states import Installed
 
 
 def check_params_unchanged(unit) -> None:

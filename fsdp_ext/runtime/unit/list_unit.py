@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .mixed_precision import cast_floating
+from ..core.mixed_precision import cast_floating
 from .unit import Unit
-from .unit_state import Installed, TrainingState, move
+from .states import Installed, TrainingState, move
 
 
 class ListUnit(Unit):

@@ -23,13 +23,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from . import streams
-from .errors import CollectiveError
+from ... import ops
+from ..core import streams
+from ..core.errors import CollectiveError
 from .groups import Groups  # noqa: F401  (comm.Groups: who a unit talks to)
 
 if ops.HAVE_EXTENSION:
-    from .. import _C
+    from ... import _C
     # Everything queued is issued before the interpreter finalizes (the thread holds tensors).
     atexit.register(_C.drain_issue_thread)
 

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from .. import env
+from ... import env
 
 
 

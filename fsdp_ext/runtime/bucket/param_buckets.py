@@ -13,17 +13,18 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .. import ops
-from . import comm, dtensor_params
+from ... import ops
+from ..comm import collectives as comm
+from ..placement import dtensor_params
 from .deferred_init import materialize_meta_modules
 from .bucket import OWNER_ATTR, Bucket, ParamSlot, mark_owner
 from .layout import flat_layout, rows_layout
-from .placement.base import Placement
-from .placement.choose import initial
-from .placement.shard_fn import resolve
-from .registry import unit_of
-from .wire import ExactWire
-from .wire_subclass import SubclassWire, check_hooks, is_extension_tensor
+from ..placement.base import Placement
+from ..placement.choose import initial
+from ..placement.shard_fn import resolve
+from ..core.registry import unit_of
+from ..wire.exact import ExactWire
+from ..wire.subclass import SubclassWire, check_hooks, is_extension_tensor
 
 # fully_shard's default split (layout.py, [Note: gather groups]): parameters of at least this many
 # elements are gathered directly, the rest together and copied out. Chosen by measurement:
@@ -94,7 +95,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
         if layout == "rows" and bucket_mesh is not None:
             specs = [s.placement.face_spec(bucket_mesh, s.shape, dtype) for s in bucket_slots]
             spec_of = specs.__getitem__
-        # The wire format, chosen here once (a CommPolicy may replace an exact one: wire.py)
+        # The wire format, chosen here once (a CommPolicy may replace an exact one: wire/quantized.py)
         wire = SubclassWire() if extension else ExactWire()
         buckets.append(Bucket(dtype, requires_grad, bucket_slots, bucket_layout, wire, on,
                               spec_of))
@@ -104,7 +105,7 @@ def build_buckets(modules: list[nn.Module], groups: comm.Groups, layout: str, me
 def init_sharded_state(buckets: list[Bucket], device: torch.device, offload,
                        param_dtype: torch.dtype | None) -> None:
     """Every bucket's shard, filled with this rank's part of the parameters (each wire format
-    says how: wire.py), and its gathered buffer, without storage until first gathered."""
+    says how: wire/), and its gathered buffer, without storage until first gathered."""
     for bucket in buckets:
         bucket.wire.init_shard(bucket, device, offload)
         bucket.init_gathered(device, param_dtype)
@@ -178,7 +179,7 @@ def _check_param(param: nn.Parameter, fqn: str, module: nn.Module, layout: str) 
 
 
 def _check_extension_param(slot: ParamSlot, module: nn.Module, layout: str, mesh) -> None:
-    """What a tensor-subclass parameter needs (wire_subclass.py), refused at the call otherwise."""
+    """What a tensor-subclass parameter needs (wire/subclass.py), refused at the call otherwise."""
     where = f"parameter '{slot.fqn}' of {type(module).__name__}"
     local = dtensor_params.local_of(slot.param)
     kind = type(local).__name__
