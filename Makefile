@@ -66,7 +66,7 @@ test: build ## the default test suite (CPU; GPU-only, slow and stream-order case
 SLOW_BUDGET_S ?=
 ESSENTIAL_BUDGET_S ?=
 test-slow: build ## the cases marked slow (SLOW_BUDGET_S=N skips those that would start after N s)
-	$(VPY) -m pytest $(PYTEST_REPORT) --durations=0 -m slow --runslow --ignore=tests/test_soak.py tests \
+	$(VPY) -m pytest $(PYTEST_REPORT) --durations=0 -m slow --runslow --ignore=tests/end_to_end/test_soak.py tests \
 		$(if $(SLOW_BUDGET_S),--budget-s $(SLOW_BUDGET_S)) \
 		$(if $(ESSENTIAL_BUDGET_S),--essential-budget-s $(ESSENTIAL_BUDGET_S))
 
@@ -79,16 +79,16 @@ test-all: build ## every case: the default suite, the slow cases, the stream-ord
 # periodic checkpoints, losses against a reference, no memory growth. test-all runs 300 steps.
 SOAK_STEPS ?= 100
 soak: build ## the soak test at world 4 for SOAK_STEPS steps (default 100)
-	FSDP_EXT_SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest -q tests/test_soak.py --runslow
+	FSDP_EXT_SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest -q tests/end_to_end/test_soak.py --runslow
 
 # The runtime's side-stream (GPU) path on CPU under the stream-order model: races, early frees and
 # host syncs across every sharding strategy, prefetch depth, no_sync, offload, HSDP, mixed
 # precision, ...; then the host syncs per steady-state step, by call site.
 stream-check: build ## the GPU (side-stream) path on CPU under the stream-order model, then host syncs per step
 	rm -f out/stream-check/syncs_w*.json
-	$(VPY) -m pytest -q tests/test_stream_check.py \
-		tests/test_reliability.py::test_divergence_raises_on_every_rank_with_device_tags \
-		tests/test_reliability.py::test_host_wait_count_fails_on_a_planted_wait --stream-check
+	$(VPY) -m pytest -q tests/diagnostics/test_stream_check.py \
+		tests/end_to_end/test_reliability.py::test_divergence_raises_on_every_rank_with_device_tags \
+		tests/end_to_end/test_reliability.py::test_host_wait_count_fails_on_a_planted_wait --stream-check
 	$(VPY) -m fsdp_ext.diagnostics.host_syncs out/stream-check/syncs_w*.json
 
 # Compile-checks the CUDA sources with nvcc (no GPU needed).

@@ -13,15 +13,19 @@ Checkpoints are Lightning's (`trainer.save_checkpoint`, `fit(ckpt_path=...)`).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: for examples.*
 from fsdp_ext.integrations.lightning import FSDPExtStrategy
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from models import GPT, Block, GPTConfig
+from examples.models import GPT, Block, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab_size=67, block_size=8, n_layer=2, n_head=2, d_model=24)
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moe import MoEDecoder, expert_swiglu
+from examples.moe import MoEDecoder, expert_swiglu
 
 
 class _AllToAll(torch.autograd.Function):

@@ -24,12 +24,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # corpus, models, report; fsdp_ext from this checkout
-import corpus  # noqa: E402
-import report  # noqa: E402
-from models import GPT, Block, GPTConfig  # noqa: E402
-from moe import MoEConfig, MoEDecoder  # noqa: E402
-from moe_ep import apply_expert_parallel  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # run as a file: the checkout's root, for examples.* and fsdp_ext
+from examples import corpus, report  # noqa: E402
+from examples.models import GPT, Block, GPTConfig  # noqa: E402
+from examples.moe import MoEConfig, MoEDecoder  # noqa: E402
+from examples.moe_ep import apply_expert_parallel  # noqa: E402
 
 import fsdp_ext  # noqa: E402
 from fsdp_ext.runtime.core.trace import recording  # noqa: E402

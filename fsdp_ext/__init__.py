@@ -1,6 +1,6 @@
 """fsdp_ext: a fully-sharded data-parallel runtime for PyTorch (the public API, nothing else).
 
-Layers, each a subpackage that imports only those below it (tests/test_layering.py holds the table):
+Layers, each a subpackage that imports only those below it (tests/project/test_layering.py holds the table):
 
     integrations switches for accelerate / transformers' Trainer and Lightning (import explicitly)
     api          fully_shard, FullyShardedDataParallel, wrap policies, FSDP1 option types

@@ -1,4 +1,4 @@
-"""Every environment variable fsdp_ext reads, read here only (tests/test_layering.py checks).
+"""Every environment variable fsdp_ext reads, read here only (tests/project/test_layering.py checks).
 
 Per call: read once per `fully_shard` / `FullyShardedDataParallel` call into a frozen record its
 units keep (runtime/unit/config.py). A variable changed later takes effect for units built later,

@@ -5,8 +5,7 @@ skips, with that reason, every test that would start more than N seconds after t
 (a real client's run or a fault path: torchtitan's trainer, the restarts, the reliability
 scenarios) run first, whatever `--budget-s` says, and one that would start after
 `--essential-budget-s` (default: the same) fails instead of being skipped, so CI cannot pass
-without them. The example models (examples/models.py) are
-importable as `models`, as in the examples and benchmarks.
+without them. The examples are a package, imported from the checkout's root (`examples.models`).
 
 Two things for whoever reads the output, often a piped log: a test still running after
 `--heartbeat-s` seconds (30 by default; 0: never) is named with its time so far, every that many
@@ -21,8 +20,6 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
 
 
 def pytest_addoption(parser):

@@ -4,12 +4,12 @@ Without a GPU it says so and exits 0, having tested nothing. With one, in order 
 command is printed; the exit status is non-zero if any step fails):
 
   1. the CUDA and Triton kernels against the plain-torch reference on the device
-     (tests/test_ops_cuda.py, tests/test_ops_triton.py with TRITON_INTERPRET unset,
-     tests/test_ops_quantized.py: the quantized collectives' CUDA kernels);
+     (tests/ops/test_ops_cuda.py, tests/ops/test_ops_triton.py with TRITON_INTERPRET unset,
+     tests/ops/test_ops_quantized.py: the quantized collectives' CUDA kernels);
   2. the runtime on CUDA + NCCL: the parity suite, the GPT parity check, the tensor-subclass
      recipes (torchao's int8, float8 with float8 all-gather, NF4) against torch's fully_shard and
      CommPolicy int8 both ways against the exact run, at world 1 and 2
-     (tests/test_cuda_runtime.py; 4 GPUs add HSDP and reshard_after_forward=2), and steady-state
+     (tests/ops/test_cuda_runtime.py; 4 GPUs add HSDP and reshard_after_forward=2), and steady-state
      steps under torch.cuda.set_sync_debug_mode("error"): no host sync in forward and backward;
   3. the same with every side stream held up before each collective
      (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES), so a missing wait or an early free shows as a wrong
@@ -59,13 +59,13 @@ def main() -> int:
     python, torchrun = sys.executable, os.path.join(os.path.dirname(sys.executable), "torchrun")
     no_interpret = {"TRITON_INTERPRET": "0"}
     steps = [
-        ("kernels on the device", [python, "-m", "pytest", "-q", "tests/test_ops_cuda.py",
-                                   "tests/test_ops_triton.py", "tests/test_ops_quantized.py"],
+        ("kernels on the device", [python, "-m", "pytest", "-q", "tests/ops/test_ops_cuda.py",
+                                   "tests/ops/test_ops_triton.py", "tests/ops/test_ops_quantized.py"],
          no_interpret),
-        ("runtime on CUDA + NCCL", [python, "-m", "pytest", "-q", "tests/test_cuda_runtime.py"],
+        ("runtime on CUDA + NCCL", [python, "-m", "pytest", "-q", "tests/ops/test_cuda_runtime.py"],
          None),
         ("runtime with delayed side streams", [python, "-m", "pytest", "-q",
-                                               "tests/test_cuda_runtime.py"],
+                                               "tests/ops/test_cuda_runtime.py"],
          {"FSDP_EXT_SIDE_STREAM_DELAY_CYCLES": DELAY_CYCLES}),
     ]
     for world in sorted({1, min(gpus, 2)}):

@@ -25,7 +25,7 @@ SETTINGS = ["none", "int8", "int8,int8", "fp8,bf16"]
 def run(setting: str, steps: int, directory: str) -> dict:
     path = os.path.join(directory, f"{setting.replace(',', '_')}.json")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.path.join(ROOT, 'examples')}",
+    env = {**os.environ, "PYTHONPATH": ROOT,
            "OMP_NUM_THREADS": "1"}
     start = time.time()
     subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "examples/train.py",

@@ -6,12 +6,8 @@ over efsdp); and what the experts' all-gathers move, computed from their shapes 
 from __future__ import annotations
 
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "examples"))
-from moe import MoEConfig, MoEDecoder  # noqa: E402  (examples/moe.py)
+from examples.moe import MoEConfig, MoEDecoder
 
 
 def variants(world: int, experts: int, ep: int) -> list[str]:
@@ -68,7 +64,7 @@ def shard(model: MoEDecoder, name: str, mesh):
 def _expert_parallel(model: MoEDecoder, name: str, world: int, ep: int):
     """EP over the fast axis of an (efsdp, ep) mesh; returns what puts a placement on efsdp, in
     the implementation's spelling."""
-    from moe_ep import apply_expert_parallel
+    from examples.moe_ep import apply_expert_parallel
     from torch.distributed.device_mesh import init_device_mesh
     sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     apply_expert_parallel(model, sparse["ep"])

@@ -1,4 +1,4 @@
-"""torchtitan's own trainer with torch's FSDP2 and with fsdp_ext swapped in (tests/titan_cpu.py:
+"""torchtitan's own trainer with torch's FSDP2 and with fsdp_ext swapped in (tests/helpers/titan_cpu.py:
 the swap and the CPU shims), side by side: per configuration, `--runs` runs of each
 implementation, interleaved (torch, fsdp_ext, torch, ...), each `--steps` steps of
 `llama3_debugmodel` at sequence 128.
@@ -19,12 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
 from ..common import RESULTS, command, machine, machine_line, markdown_table, write_results
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # name: (world size, the trainer's arguments beyond tests/titan_cpu.SMALL, what it is)
 CONFIGS = {
     "default": (2, [], "FSDP 2 (chunked loss, selective AC)"),
@@ -38,8 +36,7 @@ COMPARED = ("loss_metrics/global_avg_loss", "grad_norm")
 
 
 def one_run(impl: str, config: str, steps: int, assets, root: str) -> dict:
-    sys.path.insert(0, REPO)
-    from tests.titan_cpu import SMALL, launch
+    from tests.helpers.titan_cpu import SMALL, launch
 
     world, extra, _ = CONFIGS[config]
     out = tempfile.mkdtemp(prefix=f"{config}_{impl}_", dir=root)
@@ -65,8 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--name", default="titan_step")
     args = parser.parse_args()
-    sys.path.insert(0, REPO)
-    from tests.titan_cpu import make_assets
+    from tests.helpers.titan_cpu import make_assets
 
     root = tempfile.mkdtemp(prefix="titan_step_")
     assets = make_assets(os.path.join(root, "assets"))

@@ -15,7 +15,7 @@ torch's `PipelineStage` drives FSDP itself (torch 2.14, torch/distributed/pipeli
 For the last, `register(module)` puts a `_StageState` there. Its `post_backward()` per unit
 reduces what the no_sync micro-batches accumulated (grads.reduce_accumulated); the final callback
 waits for those reductions, reshards and makes the step's one host sync
-(Schedule.finish_reductions). tests/test_pipelining.py checks the calls above are still the ones
+(Schedule.finish_reductions). tests/api/test_pipelining.py checks the calls above are still the ones
 torch's stage makes, and fails the day they change.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The runtime: what happens to a unit in every training step (the FSDP timeline).
 
-Its subpackages are its layers, each importing only those below it (tests/test_layering.py,
+Its subpackages are its layers, each importing only those below it (tests/project/test_layering.py,
 RUNTIME_LAYERS; docs/architecture.md draws them):
 
     unit/        units and their hooks, their named states, the schedule and prefetch

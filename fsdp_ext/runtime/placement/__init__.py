@@ -1,7 +1,7 @@
 """Where each parameter of a unit is placed: along which dim of the tensor it holds here, over which
 mesh, and what model parallelism did to it first. One object per parameter (`ParamSlot.placement`)
 answers every question the runtime, the state paths and the diagnostics ask about it; nothing
-outside this folder asks which kind it is (tests/test_layering.py checks).
+outside this folder asks which kind it is (tests/project/test_layering.py checks).
 
 Owns: base.py, the protocol and the plain parameter (`Placement`: its shard dim, its own mesh
 and that mesh's groups, its DTensor face, what the module computes with, its full tensor); model_parallel.py, the
