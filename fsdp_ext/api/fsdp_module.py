@@ -185,10 +185,12 @@ class FSDPModule(_TorchFSDPModule):
         """Gradient reductions on their own process group over the shard ranks (collective:
         every rank calls it at the same point)."""
         for unit in _units_under(self, recurse):
-            timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout,
-                                              unit.config.env.collective_timeout)
-            unit.groups.set_separate_reduce_scatter(
-                process_groups.separate_group(unit.groups.shard, timeout) if enable else None)
+            if enable:  # made now, for the unit's groups and its own meshes', in one order
+                timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout,
+                                                  unit.config.env.collective_timeout)
+                for groups in dict.fromkeys((unit.groups, *(b.groups for b in unit.buckets))):
+                    process_groups.separate_group(groups.shard, timeout)
+            unit.set_separate_reduce_scatter(enable)
 
     # ---- resharding and prefetch --------------------------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:

@@ -187,8 +187,10 @@ def check_reduction_knobs(rank, world):
         model.set_reduce_scatter_unused_params(True, recurse=False)
     ours = _same(rank, world, "reduce-scatter buffers / group / unused params", knobs)
     # recurse=False set the root's unit only
-    assert ours._unit.groups.separate_reduce_scatter is not None
-    assert ours.blocks[0]._unit.groups.separate_reduce_scatter is None
+    root, block = ours._unit, ours.blocks[0]._unit
+    assert root.groups.reduce_scatter_over(root.separate_reduce_scatter) not in (
+        None, root.groups.shard)
+    assert block.groups.reduce_scatter_over(block.separate_reduce_scatter) is block.groups.shard
     assert ours.blocks[0]._unit.options.max_pending_reduce_scatters == 2
     model = scripts.shard(fsdp_ext, scripts.build())
     _raises(lambda: model.set_all_reduce_hook(lambda out: None, stream=object()), "stream")

@@ -57,7 +57,8 @@ def pack_grads(bucket: Bucket, grads, reduce_dtype: torch.dtype, pre: float,
 def reduce_bucket(unit, bucket: Bucket, grads, ran: list[bool] | None = None) -> None:
     """Handle the gradients of `bucket` (one of `unit`'s) from one backward use of `unit`
     (`ran`: per parameter, whether its module ran in that use; None: all did)."""
-    groups = bucket.groups  # its unit's, or its own mesh's (placements.py)
+    groups = bucket.groups  # its unit's, or its own mesh's (placement/)
+    reduce_group = groups.reduce_scatter_over(unit.separate_reduce_scatter)
     bucket.grads.note_used([g is not None for g in grads])
     bucket.grads.note_ran(ran if ran is not None else [True] * len(grads))
     # What goes on the wire is the bucket's wire format's (a CommPolicy may reduce in bf16).
@@ -92,8 +93,7 @@ def reduce_bucket(unit, bucket: Bucket, grads, ran: list[bool] | None = None) ->
         # With replicas the all-reduce must follow the reduce-scatter: on CPU that means a
         # blocking reduce-scatter and an asynchronous all-reduce.
         blocking = not async_op or groups.replicate is not None
-        pieces, works = bucket.wire.reduce(flat, bucket, groups.reduce_scatter, not blocking,
-                                           sent)
+        pieces, works = bucket.wire.reduce(flat, bucket, reduce_group, not blocking, sent)
         if partial is not None:  # on the collective's stream, after the reduce-scatter
             for piece, earlier in zip(pieces, partial):
                 piece.add_(earlier)
@@ -110,7 +110,7 @@ def reduce_bucket(unit, bucket: Bucket, grads, ran: list[bool] | None = None) ->
     checker = unit.schedule.checker
 
     def tags() -> list:
-        issued = [checker.issue(groups.reduce_scatter, "reduce_scatter", unit.name,
+        issued = [checker.issue(reduce_group, "reduce_scatter", unit.name,
                                 [(flat_numel(bucket, sent), reduce_dtype)], "backward")]
         if all_reduce:
             issued.append(checker.issue(groups.replicate, "all_reduce", unit.name,

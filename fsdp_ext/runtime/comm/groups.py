@@ -8,27 +8,36 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass
+# Process groups made after the Groups that use them, each once per rank set, by
+# process_groups.py: the post-forward groups at the root's first forward, the reductions' own group
+# when set_separate_reduce_scatter_group asks for it. (purpose, base group, size) -> group: a
+# Groups looks them up (it stays as built); nothing on a step's path makes one.
+_MADE_LATER: dict[tuple, dist.ProcessGroup] = {}
+
+
+def record_made_later(purpose: str, base: dist.ProcessGroup, size: int,
+                      group: dist.ProcessGroup | None) -> None:
+    _MADE_LATER[(purpose, base, size)] = group
+
+
+@dataclass(frozen=True)
 class Groups:
-    """Who a unit shards over and who it replicates over.
+    """Who a unit shards over and who it replicates over; fixed when the unit is built.
 
     shard: ranks that each hold 1/shard_size of the unit (None: one rank, nothing to gather).
     replicate: ranks holding the same shard; gradients are all-reduced over them (HSDP, NO_SHARD).
-    post_forward: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in backward
-        (made at the root's first forward: process_groups.make_first_forward_groups).
+    post_forward_size: for `reshard_after_forward=k`, the k ranks whose chunks rebuild the unit in
+        backward (their group, `post_forward`, is made at the root's first forward:
+        process_groups.make_first_forward_groups).
     """
 
     device: torch.device
     shard: dist.ProcessGroup | None = None
     replicate: dist.ProcessGroup | None = None
-    post_forward: dist.ProcessGroup | None = None
     post_forward_size: int = 1
     # The int the user gave reshard_after_forward (1 for a bool): post_forward_size is 1 where k
     # equals the shard size (the same as True here), but an own mesh must still be divisible by it
     requested_post_forward: int = 1
-    # set_separate_reduce_scatter_group: a second group over the shard ranks for the gradient
-    # reductions, so they do not queue behind all-gathers on one communicator
-    separate_reduce_scatter: dist.ProcessGroup | None = None
     # No process group existed and no launcher started this process: one process, nothing sharded
     # (api/default_group.py). Said by describe() and at the root's first forward.
     single_process: bool = False
@@ -50,15 +59,23 @@ class Groups:
         return cls.over(device, mesh.get_group(mesh.ndim - 1),
                         mesh.get_group(0) if mesh.ndim == 2 else None)
 
-    def set_post_forward(self, group: dist.ProcessGroup | None) -> None:
-        self.post_forward = group
-
-    def set_separate_reduce_scatter(self, group: dist.ProcessGroup | None) -> None:
-        self.separate_reduce_scatter = group
-
     @property
-    def reduce_scatter(self) -> dist.ProcessGroup | None:
-        return self.separate_reduce_scatter or self.shard
+    def post_forward(self) -> dist.ProcessGroup | None:
+        """The group that regathers the unit in backward after `reshard_after_forward=k`: the
+        shard group itself where k is its size (an own mesh's), else the one made at the root's
+        first forward (None before it)."""
+        k = self.post_forward_size
+        if k <= 1 or self.shard is None:
+            return None
+        if k == self.shard_size:
+            return self.shard
+        return _MADE_LATER.get(("post_forward", self.shard, k))
+
+    def reduce_scatter_over(self, separate: bool) -> dist.ProcessGroup | None:
+        """The group the gradient reductions run on: the shard group, or (separate: the unit's
+        setting) its own group over the same ranks, where one was made."""
+        found = _MADE_LATER.get(("reduce_scatter", self.shard, 0)) if separate else None
+        return found if found is not None else self.shard
 
     @property
     def shard_size(self) -> int:

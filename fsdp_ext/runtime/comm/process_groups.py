@@ -40,8 +40,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .collectives import DefaultTimeout, wait_work
 from ..core.errors import CollectiveError
+from .collectives import DefaultTimeout, wait_work
+from .groups import record_made_later
 from .peer_watch import default_store, poll
 
 _GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
@@ -201,8 +202,8 @@ def make_first_forward_groups(units, issue_thread: bool,
     every = [g for unit in units for g in (unit.groups, *(b.groups for b in unit.buckets))]
     for groups in every:
         if groups.post_forward is None and groups.post_forward_size > 1:
-            groups.set_post_forward(post_forward_group(groups.shard, groups.post_forward_size,
-                                                       timeout))
+            record_made_later("post_forward", groups.shard, groups.post_forward_size,
+                              post_forward_group(groups.shard, groups.post_forward_size, timeout))
     for groups in every:
         if issue_thread:
             for group in (groups.shard, groups.post_forward):
@@ -220,8 +221,10 @@ def separate_group(group: dist.ProcessGroup | None,
     """Another process group over `group`'s ranks (one per rank set), for the reductions."""
     if group is None:
         return None
-    return _group_once(_SEPARATE_GROUP_CACHE, dist.get_process_group_ranks(group), group,
+    made = _group_once(_SEPARATE_GROUP_CACHE, dist.get_process_group_ranks(group), group,
                        timeout, "the separate reduce-scatter group")
+    record_made_later("reduce_scatter", group, 0, made)
+    return made
 
 
 def post_forward_group(shard: dist.ProcessGroup | None, size: int,

@@ -95,10 +95,10 @@ def _own_groups(mesh, unit_groups: Groups, where: str) -> Groups:
     if own.shard_size % k:
         raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
                          f"shard ranks, which reshard_after_forward={k} does not divide")
-    # k below the mesh's size: its group is made at the root's first forward
-    # (process_groups.make_first_forward_groups), under the root's collective_timeout.
-    post_forward = own.shard if k == own.shard_size else None
-    return dataclasses.replace(own, post_forward=post_forward, post_forward_size=k)
+    # k equal to the mesh's size regathers over its shard group; below it, its group is made at
+    # the root's first forward (process_groups.make_first_forward_groups), under the root's
+    # collective_timeout (Groups.post_forward).
+    return dataclasses.replace(own, post_forward_size=k)
 
 
 def _ranks(group) -> str:

@@ -16,6 +16,7 @@ class UnitSettings:
         self.all_reduce_hook = None          # hook(reduced shard) before the epilogue
         self.forward_prefetch_units: list | None = None   # explicit lists replace depth
         self.backward_prefetch_units: list | None = None
+        self.separate_reduce_scatter = False  # reductions on their own group (Groups made it)
 
     def set_requires_gradient_sync(self, enabled: bool) -> None:
         self.requires_gradient_sync = self.requires_all_reduce = enabled
@@ -34,6 +35,9 @@ class UnitSettings:
 
     def set_reshard_after_backward(self, enabled: bool) -> None:
         self.reshard_after_backward = enabled
+
+    def set_separate_reduce_scatter(self, enabled: bool) -> None:
+        self.separate_reduce_scatter = enabled
 
     def set_unshard_in_backward(self, enabled: bool) -> None:
         self.unshard_in_backward = enabled
