@@ -38,6 +38,12 @@ from torch.distributed.tensor import Shard
 from .base import Placement
 from .spmd_params import parallel_of
 
+try:  # torch >= 2.14: shard_placement_fn may name a mesh per parameter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult)
+except ImportError:  # an older torch has no such result for a function to return
+    FSDPMeshInfo = HSDPMeshInfo = ShardPlacementResult = ()
+
 
 @dataclass(frozen=True)
 class MeshPlacement:
@@ -63,7 +69,7 @@ def resolve(shard_placement_fn, slot, module, subclass: bool, unit_mesh) -> Plac
             "is split by tensor or expert parallelism"))
         return result
     placement, mesh, parallel = result, None, None
-    if type(result).__name__ == "ShardPlacementResult":  # torch >= 2.14's (placement, mesh_info)
+    if isinstance(result, ShardPlacementResult):  # torch's (placement, mesh_info)
         placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
         info, dims = result.mesh_info, getattr(result.mesh_info, "dp_mesh_dims", None)
         if dims is not None:  # named axes of a storage mesh: what the parameter holds there
@@ -107,12 +113,11 @@ def _dim(placement, slot, where: str) -> int:
 
 def _mesh_of(mesh_info, where: str):
     """The DeviceMesh of torch's FSDPMeshInfo (1-D) or HSDPMeshInfo (2-D: replicate, shard)."""
-    kinds = [c.__name__ for c in type(mesh_info).__mro__]
-    if "FSDPMeshInfo" not in kinds:
+    if not isinstance(mesh_info, FSDPMeshInfo):
         raise TypeError(f"{where} returned a ShardPlacementResult whose mesh_info is a "
                         f"{type(mesh_info).__name__}; expected torch's FSDPMeshInfo or "
                         "HSDPMeshInfo (_fsdp_init._get_mesh_info makes them)")
-    mesh, hybrid = mesh_info.mesh, "HSDPMeshInfo" in kinds
+    mesh, hybrid = mesh_info.mesh, isinstance(mesh_info, HSDPMeshInfo)
     expected = (2, 1, 0) if hybrid else (1, 0, None)
     if (mesh.ndim, mesh_info.shard_mesh_dim, mesh_info.replicate_mesh_dim) != expected:
         raise NotImplementedError(
