@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..runtime.placement.spmd_params import StorageAxes
+
 
 def data_parallel_mesh(mesh: DeviceMesh | None, dp_mesh_dims,
                        where: str) -> tuple[DeviceMesh | None, tuple | None, tuple]:
@@ -47,7 +49,7 @@ def data_parallel_mesh(mesh: DeviceMesh | None, dp_mesh_dims,
     # (spmd_params.py, which refuses a missing one naming the parameter).
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{where}: dp_mesh_dims needs an initialised process group")
-    storage_axes = (mesh, shard_names, replicate_names)
+    storage_axes = StorageAxes(mesh, shard_names, replicate_names)
     if not shard_names:  # replicate only: no shard group
         return None, (None, _submesh(mesh, replicate_names).get_group()), storage_axes
     shard = _submesh(mesh, shard_names)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from .base import Placement
-from .spmd_params import parallel_of
+from .spmd_params import StorageAxes
 
 try:  # torch >= 2.14: shard_placement_fn may name a mesh per parameter
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
@@ -71,10 +71,9 @@ def resolve(shard_placement_fn, slot, module, subclass: bool, unit_mesh) -> Plac
     placement, mesh, parallel = result, None, None
     if isinstance(result, ShardPlacementResult):  # torch's (placement, mesh_info)
         placement, mesh = result.placement, _mesh_of(result.mesh_info, where)
-        info, dims = result.mesh_info, getattr(result.mesh_info, "dp_mesh_dims", None)
-        if dims is not None:  # named axes of a storage mesh: what the parameter holds there
-            parallel = parallel_of(slot.param, info.spmd_mesh, dims.shard_names,
-                                   dims.replicate_names, where)
+        storage = StorageAxes.of_mesh_info(result.mesh_info)
+        if storage is not None:  # named axes of a storage mesh: what the parameter holds there
+            parallel = storage.parallel_of(slot.param, where)
     elif isinstance(result, MeshPlacement):
         placement, mesh = result.placement, result.mesh
         if mesh is None or mesh.ndim not in (1, 2):

@@ -20,11 +20,36 @@ the storage mesh (torchtitan's full_dtensor backend) is read from its own placem
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .model_parallel import Annotated, on_storage_mesh
+
+
+@dataclass(frozen=True)
+class StorageAxes:
+    """A storage mesh and the names of its data-parallel axes: the one form that fully_shard's
+    `dp_mesh_dims` and a ShardPlacementResult's mesh-info (its `spmd_mesh`, `dp_mesh_dims`) both
+    become."""
+
+    mesh: object
+    shard_names: tuple[str, ...]
+    replicate_names: tuple[str, ...]
+
+    @classmethod
+    def of_mesh_info(cls, info) -> "StorageAxes | None":
+        """A mesh-info's storage mesh, or None where it names no axes (a plain FSDP mesh)."""
+        dims = getattr(info, "dp_mesh_dims", None)
+        if dims is None:
+            return None
+        return cls(info.spmd_mesh, dims.shard_names, dims.replicate_names)
+
+    def parallel_of(self, param: torch.Tensor, where: str):
+        """How model parallelism split `param` on this mesh (parallel_of below)."""
+        return parallel_of(param, self.mesh, self.shard_names, self.replicate_names, where)
 
 
 def parallel_of(param: torch.Tensor, mesh, shard_names, replicate_names, where: str):
