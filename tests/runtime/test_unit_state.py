@@ -31,3 +31,16 @@ def test_parameter_owner_moves_are_checked_too():
     with pytest.raises(StateError, match=r"unit '<root>': reshard found ShardedState\.SHARDED, "
                        r"expected one of UNSHARDED"):
         move(params, "sharded_state", ShardedState.SHARDED, (ShardedState.UNSHARDED,), "reshard")
+
+
+def test_which_states_each_hook_may_start_from():
+    """One table for every unit (states.pre_forward_from, backward_from), a list unit's open
+    pass included, instead of overrides widening a base class's tuples."""
+    from fsdp_ext.runtime.unit.states import backward_from, pre_forward_from
+    idle, fwd, pre, post = (TrainingState.IDLE, TrainingState.FORWARD,
+                            TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+    assert pre_forward_from(in_method=False, pass_open=False) == (idle,)
+    assert pre_forward_from(in_method=True, pass_open=False) == (idle, fwd)
+    assert pre_forward_from(in_method=False, pass_open=True) == (idle, fwd, post)
+    assert backward_from(pass_open=False) == (idle, pre, post)
+    assert backward_from(pass_open=True) == (idle, pre, post, fwd)

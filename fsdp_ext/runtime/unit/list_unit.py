@@ -15,7 +15,8 @@ chunk. So while a pass is open (some member yet to run):
     torch, so a chunk's backward runs the unit's post-backward without an end-of-backward of its
     own: what the root and the other units keep gathered for the decoder's backward stays so;
   * backward hooks may find the unit still in FORWARD.
-Any other transition is checked as for a single module (unit.py, unit_state.py).
+The pass is a named state (states.PassState) moved as the others are; which training states
+an open pass also allows is written with the rest (states.pre_forward_from, backward_from).
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ import torch
 
 from ..core.mixed_precision import cast_floating
 from .unit import Unit
-from .states import Installed, TrainingState, move
+from .states import Installed, PassState, TrainingState, move
 
 
 class ListUnit(Unit):
     def __init__(self, *args, **kwargs):
-        self.members_to_run: set[int] = set()  # members yet to run in the open pass
-        self._ran: set[int] = set()             # the indices of those that ran in it
+        self.pass_state = PassState.CLOSED
+        self._to_run: set[int] = set()   # ids of the members yet to run in the open pass
+        self._ran: set[int] = set()      # the indices of those that ran in it
         super().__init__(*args, **kwargs)
 
     def _forward_hooks(self):
@@ -37,7 +39,19 @@ class ListUnit(Unit):
 
     @property
     def pass_open(self) -> bool:
-        return bool(self.members_to_run)
+        return self.pass_state is PassState.OPEN
+
+    def _open_pass(self) -> None:
+        move(self, "pass_state", PassState.OPEN, (PassState.CLOSED,), "a member's pre-forward")
+        self._to_run = {id(m) for m in self.members}
+        self._ran = set()  # a new set: the last pass's uses keep theirs (backward_uses.py)
+
+    def _close_pass(self, what: str) -> None:
+        """Close an open pass (no-op when none is): every member ran, or the root's forward,
+        the backward or the step it belonged to ended."""
+        if self.pass_open:
+            move(self, "pass_state", PassState.CLOSED, (PassState.OPEN,), what)
+            self._to_run.clear()
 
     def _member_pre_forward(self, module, args, kwargs):
         """The first member of a pass does the unit's pre-forward; a later one only casts its
@@ -52,8 +66,7 @@ class ListUnit(Unit):
             self._ran.add(self._index_of(module))
             return cast_floating((args, kwargs), self._input_dtype())
         if not self.pass_open:
-            self.members_to_run = {id(m) for m in self.members}
-            self._ran = set()  # a new set: the last pass's uses keep theirs (backward_uses.py)
+            self._open_pass()
         self._ran.add(self._index_of(module))
         return self._pre_forward(module, args, kwargs)
 
@@ -66,40 +79,26 @@ class ListUnit(Unit):
     def _member_post_forward(self, module, args, kwargs, output):
         """The post-forward once every member ran; before that, each output gets the output
         dtype, and inside the root's forward the pre-backward hook."""
-        if id(module) not in self.members_to_run:  # recomputation, or a member called again
+        if id(module) not in self._to_run:  # recomputation, or a member called again
             if self.schedule.in_backward():
                 return self._post_forward(module, args, kwargs, output)
             return cast_floating(output, self.mp.output_dtype)
-        self.members_to_run.discard(id(module))
-        if self.members_to_run:
+        self._to_run.discard(id(module))
+        if self._to_run:
             output = cast_floating(output, self.mp.output_dtype)
             if (torch.is_grad_enabled() and self.schedule.in_forward
                     and self.training_state is not TrainingState.SUMMONED):
                 self._register_pre_backward(output)
             return output
+        self._close_pass("the last member's post-forward")
         return self._post_forward(module, args, kwargs, output)
-
-    def _pre_forward_from(self) -> tuple[TrainingState, ...]:
-        """In an open pass also FORWARD (resharded by `reshard()`) and POST_BACKWARD (a chunk's
-        backward ran)."""
-        if self.pass_open:
-            return (*super()._pre_forward_from(), TrainingState.FORWARD,
-                    TrainingState.POST_BACKWARD)
-        return super()._pre_forward_from()
-
-    def _backward_from(self) -> tuple[TrainingState, ...]:
-        """In an open pass also FORWARD: a member run outside the root's forward, whose output's
-        backward comes before the pass closes."""
-        if self.pass_open:
-            return (*super()._backward_from(), TrainingState.FORWARD)
-        return super()._backward_from()
 
     def finish_forward(self) -> None:
         """The root's forward ended with some members not run: their post-forward is done here,
         leaving the parameters sharded."""
         if not self.pass_open:
             return
-        self.members_to_run.clear()
+        self._close_pass("the root's post-forward")
         if self.training_state is not TrainingState.FORWARD:
             return
         move(self, "training_state", TrainingState.IDLE, (TrainingState.FORWARD,),
@@ -109,9 +108,9 @@ class ListUnit(Unit):
             self.reshard()
 
     def end_backward(self) -> None:
-        self.members_to_run.clear()  # a pass left open by members run outside the root's forward
+        self._close_pass("the end of backward")  # left open by members run outside the forward
         super().end_backward()
 
     def start_step(self) -> None:
-        self.members_to_run.clear()  # some members did not run in the last forward
+        self._close_pass("the next step")  # some members did not run in the last forward
         super().start_step()

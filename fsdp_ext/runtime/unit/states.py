@@ -19,9 +19,15 @@
         a failure          FORWARD -> IDLE (a registered method raised); any but SUMMONED ->
                            IDLE (the end of backward, a reset after a failure)
         summon             IDLE -> SUMMONED -> IDLE (summon_full_params)
-    Installed      what the modules' parameter attributes hold (unit_params.py writes them)
+    Installed      what the modules' parameter attributes hold (params.py writes them)
         SHARDED: the sharded parameters; UNSHARDED: views of the gathered buffers;
         FULL: summon_full_params' full copies
+    PassState      a list unit's forward pass over its members (list_unit.py)
+        CLOSED --a member's pre-forward--> OPEN --the last member's post-forward, the root's
+        post-forward, the end of backward, the next step--> CLOSED
+
+Which TrainingState a hook may start from is written once, below (`pre_forward_from`,
+`backward_from`), for a unit in or out of a registered method and in or out of an open pass.
 
 Every transition names the states it may start from: a move from any other raises, naming the
 unit and both states, instead of leaving a state that a later hook misreads.
@@ -50,6 +56,31 @@ class Installed(Enum):
     SHARDED = auto()
     UNSHARDED = auto()
     FULL = auto()
+
+
+class PassState(Enum):
+    CLOSED = auto()                 # no member of a list unit is yet to run
+    OPEN = auto()                   # some members ran, others are yet to
+
+
+BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+
+def pre_forward_from(in_method: bool, pass_open: bool) -> tuple[TrainingState, ...]:
+    """The states a pre-forward may find: IDLE; FORWARD inside a registered method (its own
+    forward) or in an open pass (resharded by `reshard()`); POST_BACKWARD in an open pass (a
+    chunk's backward ran)."""
+    return (TrainingState.IDLE, *((TrainingState.FORWARD,) if in_method or pass_open else ()),
+            *((TrainingState.POST_BACKWARD,) if pass_open else ()))
+
+
+def backward_from(pass_open: bool) -> tuple[TrainingState, ...]:
+    """The states a backward hook may find: IDLE (a unit whose forward output needed no
+    gradient, used by a later one's backward), PRE_/POST_BACKWARD (a unit used twice in forward
+    is freed after its later use's backward and needed again for the earlier one's), and in an
+    open pass FORWARD (a member run outside the root's forward, whose backward comes before the
+    pass closes)."""
+    return (TrainingState.IDLE, *BACKWARD_STATES, *((TrainingState.FORWARD,) if pass_open else ()))
 
 
 GATHERED = (ShardedState.UNSHARDING, ShardedState.UNSHARDED)  # buffers hold (or get) memory

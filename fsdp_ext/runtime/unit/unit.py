@@ -34,9 +34,8 @@ from .config import UnitConfig
 from .lifecycle import UnitLifecycle
 from .settings import UnitSettings
 from .params import UnitParams
-from .states import Installed, ShardedState, TrainingState, move
-
-_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+from .states import (BACKWARD_STATES, Installed, ShardedState, TrainingState, backward_from,
+                     move, pre_forward_from)
 
 
 class Unit(UnitLifecycle, UnitSettings):
@@ -216,8 +215,8 @@ class Unit(UnitLifecycle, UnitSettings):
             schedule.root_pre_forward()
         if self.training_state is TrainingState.SUMMONED:  # the module holds the full parameters
             return cast_floating((args, kwargs), self._input_dtype())
-        move(self, "training_state", TrainingState.FORWARD, self._pre_forward_from(),
-             "pre-forward")
+        move(self, "training_state", TrainingState.FORWARD,
+             pre_forward_from(bool(self.method_depth), self.pass_open), "pre-forward")
         schedule.record_forward(self)
         RECORDER.add("forward.begin", self.name)
         self.unshard()
@@ -270,18 +269,11 @@ class Unit(UnitLifecycle, UnitSettings):
             self._register_pre_backward(output)
         return output
 
-    def _pre_forward_from(self) -> tuple[TrainingState, ...]:
-        """The states a pre-forward may find: inside a registered method, its own forward."""
-        if self.method_depth:
-            return TrainingState.IDLE, TrainingState.FORWARD
-        return (TrainingState.IDLE,)
-
-    def _backward_from(self) -> tuple[TrainingState, ...]:
-        """The states a backward hook may find. From POST_BACKWARD too: a unit used twice in
-        forward is freed after the backward of its later use and needed again for the earlier
-        one. IDLE: a unit whose forward output needed no gradient, used by a later one's
-        backward."""
-        return (TrainingState.IDLE, *_BACKWARD)
+    @property
+    def pass_open(self) -> bool:
+        """Whether some of the unit's modules ran this forward and others are yet to (a list
+        unit's; one module runs whole)."""
+        return False
 
     def members_running(self) -> set | None:
         """The indices of the members run in the open forward pass (None: one module)."""
@@ -301,9 +293,9 @@ class Unit(UnitLifecycle, UnitSettings):
     def _pre_backward(self, grad):
         schedule = self.schedule
         schedule.backward_started()
-        if self.training_state not in _BACKWARD:
+        if self.training_state not in BACKWARD_STATES:
             RECORDER.add("backward.begin", self.name)
-        move(self, "training_state", TrainingState.PRE_BACKWARD, self._backward_from(),
+        move(self, "training_state", TrainingState.PRE_BACKWARD, backward_from(self.pass_open),
              "pre-backward")
         if not self.unshard_in_backward:  # set_unshard_in_backward(False): no parameter needed
             schedule.prefetch_backward(self, "pre")
@@ -325,7 +317,7 @@ class Unit(UnitLifecycle, UnitSettings):
         """One backward use ran (its gradients summed with the earlier uses' of this backward; None
         while a later use is still to run: backward_uses.py): free the unit, reduce each trainable
         bucket."""
-        move(self, "training_state", TrainingState.POST_BACKWARD, self._backward_from(),
+        move(self, "training_state", TrainingState.POST_BACKWARD, backward_from(self.pass_open),
              "post-backward")
         end_range("backward", self)
         RECORDER.add("backward.end", self.name)
