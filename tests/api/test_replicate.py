@@ -73,19 +73,23 @@ def check_against_torch(rank, world):
     assert ours[3] == (True, True, True, "ReplicateSequential"), ours[3]
 
 
-def check_options_against_torch(rank, world):
-    """mp_policy (bf16 parameters, fp32 reduction), offload_policy (CPU) and ignored_params (the
-    last bias: neither replicated nor reduced, a plain tensor in the state dict)."""
+def check_options_against_torch(rank, world, pin_memory: bool = False):
+    """mp_policy (bf16 parameters, fp32 reduction), offload_policy (CPU; `pin_memory` for
+    fsdp_ext: the stream-order scenario's, torch's host copies stay pageable, which pinning does
+    not change the numbers of) and ignored_params (the last bias: neither replicated nor
+    reduced, a plain tensor in the state dict)."""
     _compare(rank, world, _mesh(world),
              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                             reduce_dtype=torch.float32),
-             offload_policy=CPUOffloadPolicy(pin_memory=False))
+             offload_policy=CPUOffloadPolicy(pin_memory=False),
+             ours={"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)})
     _compare(rank, world, _mesh(world), ignored_params="last bias")
 
 
-def _compare(rank, world, mesh, **options):
-    """Both implementations' _train: equal bit for bit; returns fsdp_ext's."""
-    ours = _train(fsdp_ext.replicate, rank, mesh, **options)
+def _compare(rank, world, mesh, ours=None, **options):
+    """Both implementations' _train (`ours`: options fsdp_ext's run takes instead): equal bit
+    for bit; returns fsdp_ext's."""
+    ours = _train(fsdp_ext.replicate, rank, mesh, **{**options, **(ours or {})})
     theirs = _train(torch_replicate, rank, mesh, **options)
     torch.testing.assert_close(ours[0], theirs[0], **EXACT, msg=lambda m: f"losses: {m}")
     assert len(ours[1]) == len(theirs[1]) == 2

@@ -160,6 +160,15 @@ def own_meshes(rank: int, world_size: int) -> None:
         test_placements.check_own_mesh_reshard_after_forward_k(rank, world_size)
 
 
+def replicate(rank: int, world_size: int) -> None:
+    """fsdp_ext.replicate (nothing gathered; the gradients all-reduced over the mesh) against
+    torch's replicate on the same script: plain, with mixed precision and CPU offload (pinned
+    host copies), and with an ignored parameter."""
+    from ..api import test_replicate
+    test_replicate.check_against_torch(rank, world_size)
+    test_replicate.check_options_against_torch(rank, world_size, pin_memory=True)
+
+
 def scenarios(world_size: int) -> list[tuple[str, object]]:
     """(label, fn(rank, world_size)) for every scenario run under the model at `world_size`."""
     out = [(case.name, lambda r, w, case=case: parity.run_case(case, r, w))
@@ -184,7 +193,7 @@ def scenarios(world_size: int) -> list[tuple[str, object]]:
             ("prefetch_depths", prefetch_depths), ("explicit_async_unshard", explicit_async_unshard),
             ("offload_then_host_update", offload_then_host_update),
             ("tensor_subclass_params", tensor_subclass_params),
-            ("comm_policy", comm_policy), ("own_meshes", own_meshes)]
+            ("comm_policy", comm_policy), ("own_meshes", own_meshes), ("replicate", replicate)]
     if world_size == 4:
         out.append(("fsdp_x_tp", tensor_parallel))
     return out
