@@ -32,6 +32,7 @@ import collections
 import contextlib
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -116,16 +117,24 @@ class HostSyncCounter:
         # those that began without gradients (evaluation): see steps_of
         self.optimizer_steps: dict[str, set] = collections.defaultdict(set)
         self.no_grad: dict[str, set] = collections.defaultdict(set)
-        self._root = 0  # the root whose iteration runs (id)
+        self._root = 0  # the root whose iteration runs (its serial)
+        # root -> serial, in the order first seen: a root made after another was freed may get
+        # its id(), which would merge their steps into one
+        self._serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next_serial = 1
         self._scalars: dict[int, tuple[int, bool]] = {}  # 0-dim storage -> (weak ref, host)
 
     # ---- what the model tells us ---------------------------------------------------------------
     def iteration_started(self, owner: object, iteration: int) -> None:
-        self._root = id(owner)
+        serial = self._serials.get(owner)
+        if serial is None:
+            serial = self._serials[owner] = self._next_serial
+            self._next_serial += 1
+        self._root = serial
         if iteration >= STEADY_FROM:
-            self.steps[self.scenario].add((id(owner), iteration))
+            self.steps[self.scenario].add((self._root, iteration))
             if not torch.is_grad_enabled():
-                self.no_grad[self.scenario].add((id(owner), iteration))
+                self.no_grad[self.scenario].add((self._root, iteration))
 
     def optimizer_stepped(self) -> None:
         """An optimizer's step() returned (a global post-hook installed by stream_check)."""
