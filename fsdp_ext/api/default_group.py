@@ -22,21 +22,16 @@ NO_DEFAULT_GROUP = ("Default process group has not been initialized, please make
                     "init_process_group.")
 
 
-def launched() -> bool:
-    """True when a launcher's variables are in the environment (fsdp_ext/env.py)."""
-    return env.launched()
-
-
 def ensure_for_fully_shard() -> None:
     """fully_shard with neither mesh nor process group: the default group, initialised from the
     launcher's environment as torch's fully_shard does (`init_process_group()`: its backend choice,
     its errors for incomplete variables). Without a launcher: nothing (the single-process mode)."""
-    if dist.is_available() and not dist.is_initialized() and launched():
+    if dist.is_available() and not dist.is_initialized() and env.launched():
         dist.init_process_group()
 
 
 def ensure_for_fsdp1() -> None:
     """FullyShardedDataParallel with no process group: torch's FSDP1 error under a launcher (it
     never initialises the group itself). Without a launcher: nothing (the single-process mode)."""
-    if dist.is_available() and not dist.is_initialized() and launched():
+    if dist.is_available() and not dist.is_initialized() and env.launched():
         raise ValueError(NO_DEFAULT_GROUP)

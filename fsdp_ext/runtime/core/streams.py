@@ -28,6 +28,11 @@ import torch
 
 from ... import env
 
+# Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test knob for
+# `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, fsdp_ext/env.py; read once per process,
+# here rather than at each collective): a late collective exposes a missing wait or an early free
+# on a real GPU.
+_DELAY_CYCLES = env.process().side_stream_delay_cycles
 
 
 class DeviceStreams:
@@ -63,12 +68,8 @@ class DeviceStreams:
         return event.query()
 
     def inject_delay(self, stream) -> None:
-        # Cycles a side stream spins before each collective it runs (CUDA only; 0: none). A test
-        # knob for `make gpu-check` (FSDP_EXT_SIDE_STREAM_DELAY_CYCLES, fsdp_ext/env.py): a late
-        # collective exposes a missing wait or an early free on a real GPU.
-        cycles = env.process().side_stream_delay_cycles
-        if cycles and stream.device.type == "cuda":
-            torch.cuda._sleep(cycles)  # queued on the current stream: `stream`
+        if _DELAY_CYCLES and stream.device.type == "cuda":
+            torch.cuda._sleep(_DELAY_CYCLES)  # queued on the current stream: `stream`
 
     def iteration_started(self, owner: object, iteration: int) -> None:
         pass  # (the stream-order model counts host syncs per steady-state step)
