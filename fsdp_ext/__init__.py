@@ -7,6 +7,7 @@ Layers, each a subpackage that imports only those below it (tests/project/test_l
     state        model / optimizer state dicts, DCP checkpoints, safetensors
     planner      memory / time estimates before a launch
     diagnostics  describe, memory report, timeline, input and optimizer checks
+    optim        optimizers that need whole matrices of sharded parameters (Muon)
     runtime      units, buckets, schedule and prefetch, collectives, gradient path
     ops          the kernels' entry points (C++ / CUDA / Triton / torch reference)
 
@@ -36,6 +37,7 @@ from .api.replicate import ReplicateModule, replicate
 from .diagnostics.describe import describe
 from .diagnostics.memory import memory_report
 from .diagnostics.optim_check import check_optimizer
+from . import optim  # fsdp_ext.optim.Muon
 from .planner.plan import plan
 from .runtime.wire.comm_policy import CommPolicy
 from .runtime.placement.shard_fn import MeshPlacement

@@ -24,7 +24,7 @@ LAYERS = {
     "integrations": 6,      # switches for other libraries (accelerate, Lightning): optional
     "fsdp_ext": 5,          # __init__.py: the public API, re-exported
     "api": 4,
-    "state": 3, "planner": 3, "diagnostics": 3,
+    "state": 3, "planner": 3, "diagnostics": 3, "optim": 3,
     "runtime": 2,
     "ops": 1,               # the kernels' Python entry points
     "_C": 0,                # the compiled extension (kernels, issue thread, block cache)

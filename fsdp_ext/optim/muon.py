@@ -1,0 +1,126 @@
+"""Muon on sharded parameters: torch.optim.Muon's arguments and math (its momentum, Nesterov
+update, Newton-Schulz iteration with its coefficients and steps, decoupled weight decay and
+`adjust_lr_fn`), for the parameters fully_shard (fsdp_ext's or torch's) leaves sharded.
+
+Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per parameter:
+
+    plain tensor (a whole matrix here)   the update is computed here, as torch.optim.Muon does
+    DTensor (Shard(dim) / Replicate on   the Nesterov update is made on the local shard, gathered
+      its mesh's axes)                   whole (`full_tensor()`: one all-gather over its mesh),
+                                         orthogonalised on every rank of the mesh, and each rank
+                                         keeps its own part of the result (no second collective)
+    3-D expert stack [E, out, in]        each expert's matrix orthogonalised on its own (torch's
+                                         Muon takes 2-D only; each slice is what it would do)
+
+The momentum buffer lives like the parameter (a DTensor with its placements: DCP saves and
+reshards it as it does the parameter). The gathering path sends each matrix once per step over
+its data-parallel mesh and repeats its orthogonalisation on each rank of it; placements that put
+whole matrices on one rank make that collective unnecessary (docs/api.md, "Muon").
+
+On the GPU path: no host sync (the gathers are collectives the compute stream waits for; the
+learning-rate adjustment is computed from shapes on the host).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+# torch's own Newton-Schulz iteration and learning-rate adjustment: the same math, bit for bit
+# (tests/optim/test_muon.py fails if torch changes what they compute)
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+
+
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's arguments, defaults and checks, for matrices of any placement: 2-D
+    parameters, and 3-D expert stacks orthogonalised per expert. A parameter of another rank,
+    or a DTensor placed otherwise than by Shard/Replicate, is refused naming it."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        for name, value in (("Learning rate", lr), ("momentum", momentum),
+                            ("weight decay", weight_decay)):
+            if not 0.0 <= value:
+                raise ValueError(f"{name} should be >= 0 but is: {value}")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported "
+                             f"(one of {ADJUST_LR_FNS})")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                      nesterov=nesterov, ns_coefficients=ns_coefficients,
+                                      eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                _check(param, _name(group, index))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        param.grad, memory_format=torch.preserve_format)
+                _step_one(param, param.grad, state["momentum_buffer"], group)
+        return loss
+
+
+def _step_one(param, grad, buf, group) -> None:
+    """torch's _single_tensor_muon for one parameter, its Newton-Schulz on the whole matrix."""
+    momentum, lr = group["momentum"], group["lr"]
+    lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar; a host value)
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    whole = update.full_tensor() if isinstance(update, DTensor) else update
+    ortho = _orthogonalised(whole, group)
+    if isinstance(param, DTensor):
+        ortho = _local_part(ortho, param)
+    shape = param.shape[-2:]
+    adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
+    param.mul_(1 - lr * group["weight_decay"])
+    param.add_(ortho, alpha=-adjusted_lr)
+
+
+def _orthogonalised(whole: torch.Tensor, group) -> torch.Tensor:
+    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if whole.ndim == 2:
+        return _zeropower_via_newtonschulz(whole, *args)
+    return torch.stack([_zeropower_via_newtonschulz(m, *args) for m in whole.unbind(0)])
+
+
+def _local_part(ortho: torch.Tensor, param: DTensor) -> DTensor:
+    """This rank's part of the whole update, as a DTensor placed as `param` is."""
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    local = ortho[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    return DTensor.from_local(local.to(param.dtype), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+def _name(group, index: int) -> str:
+    names = group.get("param_names")
+    return f"parameter '{names[index]}'" if names else f"parameter {index} of its group"
+
+
+def _check(param, where: str) -> None:
+    if param.ndim not in (2, 3):
+        raise ValueError(f"Muon: {where} has shape {list(param.shape)}; Muon orthogonalises "
+                         "matrices (2-D) and expert stacks (3-D, one matrix per expert): give "
+                         "embeddings, norms, biases and other parameters to AdamW")
+    if isinstance(param, DTensor):
+        odd = [p for p in param.placements if type(p) not in (Shard, Replicate)]
+        if odd:
+            raise NotImplementedError(
+                f"Muon: {where} is a DTensor placed {param.placements} on "
+                f"{param.device_mesh}; Muon gathers and splits Shard(dim) and Replicate "
+                f"placements, not {odd}")

@@ -1,0 +1,194 @@
+"""fsdp_ext.optim.Muon: torch.optim.Muon's math bit for bit on whole matrices (every
+`adjust_lr_fn`, with and without Nesterov, expert stacks per expert), and on sharded parameters:
+fsdp_ext's fully_shard and torch's on the same script give the same losses and parameters bit for
+bit (the matrices gathered whole, each rank keeping its part), both within rounding of
+single-process torch.optim.Muon; refusals name the parameter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import fsdp_ext
+from fsdp_ext.optim import Muon
+from examples.models import GPT, GPTConfig
+
+from ..helpers.dist import local_slice, run_distributed
+
+EXACT = dict(atol=0, rtol=0)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 12, bias=False),
+                         nn.Tanh(), nn.Linear(12, 4, bias=False))
+
+
+def _train_whole(cls, steps: int = 4, **kwargs) -> list[torch.Tensor]:
+    model = _mlp()
+    opt = cls(model.parameters(), lr=0.02, **kwargs)
+    for step in range(steps):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(nesterov=False), dict(adjust_lr_fn="original"),
+                                    dict(adjust_lr_fn="match_rms_adamw"),
+                                    dict(adjust_lr_fn="spectral_unclamped", weight_decay=0.0),
+                                    dict(ns_steps=3, ns_coefficients=(3.0, -3.2, 1.2))],
+                         ids=["defaults", "no_nesterov", "original", "match_rms_adamw",
+                              "spectral_unclamped", "other_ns"])
+def test_whole_matrices_match_torch_muon(kwargs):
+    ours, theirs = _train_whole(Muon, **kwargs), _train_whole(torch.optim.Muon, **kwargs)
+    for mine, torchs in zip(ours, theirs):
+        torch.testing.assert_close(mine, torchs, **EXACT)
+
+
+def test_an_expert_stack_is_each_experts_matrix():
+    """A [E, out, in] stack steps as E separate [out, in] matrices under torch.optim.Muon."""
+    torch.manual_seed(0)
+    stack = nn.Parameter(torch.randn(3, 6, 4))
+    experts = [nn.Parameter(stack.detach()[e].clone()) for e in range(3)]
+    ours = Muon([stack], lr=0.05, adjust_lr_fn="match_rms_adamw")
+    theirs = torch.optim.Muon(experts, lr=0.05, adjust_lr_fn="match_rms_adamw")
+    for step in range(3):
+        grad = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(step))
+        stack.grad = grad.clone()
+        for e, p in enumerate(experts):
+            p.grad = grad[e].clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(stack.detach(), torch.stack([p.detach() for p in experts]),
+                               **EXACT)
+
+
+def test_refusals_name_the_parameter():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"parameter '0\.bias' has shape \[4\].*AdamW"):
+        Muon(list(model.named_parameters()))
+    with pytest.raises(ValueError, match="Adjust learning rate function nope"):
+        Muon(model[0].parameters(), adjust_lr_fn="nope")
+    with pytest.raises(ValueError, match="momentum should be >= 0"):
+        Muon([model[0].weight], momentum=-1.0)
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16))
+
+
+def _optimizers(model, muon_cls):
+    """Moonlight's split: the blocks' matrices to Muon, embeddings, norms and biases to AdamW."""
+    matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and ".blocks." in
+                f".{n}"]
+    names = {n for n, _ in matrices}
+    others = [p for n, p in model.named_parameters() if n not in names]
+    return [muon_cls(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(others, lr=1e-3)]
+
+
+def _built(shard, muon_cls):
+    """The GPT, its blocks then the root sharded by `shard` (None: left whole), and its two
+    optimizers."""
+    model = _gpt()
+    if shard is not None:
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+    return model, _optimizers(model, muon_cls)
+
+
+def _steps(model, optimizers, rank: int, world: int, steps, sharded: bool = True) -> list:
+    losses = []
+    for step in steps:
+        idx = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+        batch = local_slice(idx, rank, world) if sharded else idx
+        loss = model(batch, batch)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def _full_params(model) -> dict:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _train_gpt(shard, muon_cls, rank: int, world: int, steps: int = 3):
+    model, optimizers = _built(shard, muon_cls)
+    losses = _steps(model, optimizers, rank, world, range(steps), sharded=shard is not None)
+    return losses, _full_params(model)
+
+
+def check_sharded_against_torch_fsdp2_and_single_process(rank, world):
+    ours = _train_gpt(fsdp_ext.fully_shard, Muon, rank, world)
+    theirs = _train_gpt(torch_fully_shard, Muon, rank, world)
+    for mine, torchs in zip(ours[0], theirs[0]):
+        torch.testing.assert_close(mine, torchs, **EXACT)
+    for name, value in theirs[1].items():
+        torch.testing.assert_close(ours[1][name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+    # the unwrapped model with torch.optim.Muon on the whole batch: the gradients differ by the
+    # reduction's rounding only, which Newton-Schulz (in bf16) may carry a few bf16 ulps further
+    losses = [l for l in _train_gpt(None, torch.optim.Muon, rank, world)[0]]
+    mean = [l.clone() for l in ours[0]]
+    for l in mean:
+        dist.all_reduce(l)
+        l /= world
+    torch.testing.assert_close(torch.stack(mean), torch.stack(losses), atol=1e-4, rtol=1e-4)
+
+
+def check_checkpoint_into_torch_fsdp2(rank, world, directory):
+    """Muon's momentum is a DTensor placed as its parameter: fsdp_ext's model and optimizers saved
+    with DCP (torch's get_state_dict) load into torch's fully_shard model and optimizers, and
+    both continue with the same losses and parameters, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, optimizers = _built(fsdp_ext.fully_shard, Muon)
+    _steps(model, optimizers, rank, world, range(2))
+    saved = {f"opt{i}": get_state_dict(model, opt)[1] for i, opt in enumerate(optimizers)}
+    saved["model"] = get_state_dict(model, [])[0]
+    dcp.save(saved, checkpoint_id=directory)
+    theirs, their_optimizers = _built(torch_fully_shard, Muon)
+    _steps(theirs, their_optimizers, rank, world, range(1))  # (makes the optimizer state)
+    loaded = {f"opt{i}": get_state_dict(theirs, opt)[1] for i, opt in enumerate(their_optimizers)}
+    loaded["model"] = get_state_dict(theirs, [])[0]
+    dcp.load(loaded, checkpoint_id=directory)
+    for i, opt in enumerate(their_optimizers):
+        set_state_dict(theirs, opt, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded[f"opt{i}"])
+    momentum = next(iter(their_optimizers[0].state.values()))["momentum_buffer"]
+    assert isinstance(momentum, DTensor), type(momentum)
+    ours_after = _steps(model, optimizers, rank, world, range(2, 4))
+    theirs_after = _steps(theirs, their_optimizers, rank, world, range(2, 4))
+    torch.testing.assert_close(torch.stack(ours_after), torch.stack(theirs_after), **EXACT)
+    for name, value in _full_params(theirs).items():
+        torch.testing.assert_close(_full_params(model)[name], value, **EXACT)
+
+
+def check_bad_placement(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    weight = nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Partial()]))
+    with pytest.raises(NotImplementedError, match=r"parameter 'w' is a DTensor placed "
+                       r"\(Partial\(sum\),\)"):
+        Muon([("w", weight)])
+
+
+def _worker(rank, world, directory):
+    check_sharded_against_torch_fsdp2_and_single_process(rank, world)
+    check_checkpoint_into_torch_fsdp2(rank, world, directory)
+    check_bad_placement(rank, world)
+
+
+def test_sharded_muon_at_world_2(tmp_path):
+    run_distributed(_worker, 2, str(tmp_path / "dcp"), timeout_s=180)
