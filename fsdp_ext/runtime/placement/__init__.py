@@ -11,7 +11,8 @@ tensor's spmd_types annotations on the storage mesh `dp_mesh_dims` names; choose
 placement a parameter's own spelling gives it; replicated.py, a parameter whole on every rank of
 a mesh (`replicate`); shard_fn.py, fully_shard's `shard_placement_fn`
 (Shard(dim), torch's ShardPlacementResult, fsdp_ext's MeshPlacement) applied to it;
-dtensor_params.py, the DTensor parameters of fully_shard (made, read and re-pointed).
+dtensor_params.py, the DTensor parameters of fully_shard (made, read and re-pointed); owners.py,
+which rank owns which whole matrix where a placement keeps matrices whole (balanced pieces).
 
 May import: runtime/comm, runtime/core, torch.
 """
