@@ -272,7 +272,7 @@ def test_quantized_first_step_makes_no_host_sync(plant):
 
 # name: (what to patch, its attribute, the patch)
 CLIP_PLANTS = {"clip_sync_per_unit": ("api.clip", "_to_device", _planted_clip_syncs),
-               "runtime_sync_per_unshard": ("runtime.unit", "Unit.wait_unshard", _planted_sync)}
+               "runtime_sync_per_unshard": ("runtime.unit.unit", "Unit.wait_unshard", _planted_sync)}
 
 
 def _clip_plant(plant):
