@@ -5,10 +5,13 @@ update, Newton-Schulz iteration with its coefficients and steps, decoupled weigh
 Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per parameter:
 
     plain tensor (a whole matrix here)   the update is computed here, as torch.optim.Muon does
-    DTensor (Shard(dim) / Replicate on   the Nesterov update is made on the local shard, gathered
-      its mesh's axes)                   whole (`full_tensor()`: one all-gather over its mesh),
+    DTensor split across ranks           the Nesterov update is made on the local shard, gathered
+      (Shard(dim) on its mesh's axes)    whole (`full_tensor()`: one all-gather over its mesh),
                                          orthogonalised on every rank of the mesh, and each rank
                                          keeps its own part of the result (no second collective)
+    DTensor whole here (Replicate only;  the update is computed from the local tensor: no
+      an expert stack sharded along its  collective (fully_shard's default Shard(0) keeps whole
+      expert dim only)                   experts on each rank)
     3-D expert stack [E, out, in]        each expert's matrix orthogonalised on its own (torch's
                                          Muon takes 2-D only; each slice is what it would do)
 
@@ -18,7 +21,8 @@ its data-parallel mesh and repeats its orthogonalisation on each rank of it; pla
 whole matrices on one rank make that collective unnecessary (docs/api.md, "Muon").
 
 On the GPU path: no host sync (the gathers are collectives the compute stream waits for; the
-learning-rate adjustment is computed from shapes on the host).
+learning-rate adjustment is computed from shapes on the host; a tensor `lr` is read on the host,
+as torch's Muon reads it).
 """
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's arguments, defaults and checks, for matrices of any placement: 2-D
-    parameters, and 3-D expert stacks orthogonalised per expert. A parameter of another rank,
-    or a DTensor placed otherwise than by Shard/Replicate, is refused naming it."""
+    parameters, and 3-D expert stacks orthogonalised per expert. A parameter of another number
+    of dims, or a DTensor placed otherwise than by Shard/Replicate, is refused naming it."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True,
@@ -81,10 +85,12 @@ def _step_one(param, grad, buf, group) -> None:
     lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar; a host value)
     buf.lerp_(grad, 1 - momentum)
     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    whole = update.full_tensor() if isinstance(update, DTensor) else update
-    ortho = _orthogonalised(whole, group)
-    if isinstance(param, DTensor):
-        ortho = _local_part(ortho, param)
+    if not isinstance(param, DTensor):
+        ortho = _orthogonalised(update, group)
+    elif _whole_here(param):
+        ortho = _as_placed(_orthogonalised(update.to_local(), group), param)
+    else:
+        ortho = _local_part(_orthogonalised(update.full_tensor(), group), param)
     shape = param.shape[-2:]
     adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
     param.mul_(1 - lr * group["weight_decay"])
@@ -95,14 +101,26 @@ def _orthogonalised(whole: torch.Tensor, group) -> torch.Tensor:
     args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
     if whole.ndim == 2:
         return _zeropower_via_newtonschulz(whole, *args)
+    if whole.shape[0] == 0:  # a rank holding none of the stack's experts
+        return whole.clone()
     return torch.stack([_zeropower_via_newtonschulz(m, *args) for m in whole.unbind(0)])
+
+
+def _whole_here(param: DTensor) -> bool:
+    """Whether this rank's part of `param` is whole matrices: replicated, or an expert stack
+    split along its expert dim (dim 0) only."""
+    dims = {p.dim for p in param.placements if isinstance(p, Shard)}
+    return not dims or (param.ndim == 3 and dims == {0})
 
 
 def _local_part(ortho: torch.Tensor, param: DTensor) -> DTensor:
     """This rank's part of the whole update, as a DTensor placed as `param` is."""
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
                                                           param.placements)
-    local = ortho[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    return _as_placed(ortho[tuple(slice(o, o + s) for o, s in zip(offset, shape))], param)
+
+
+def _as_placed(local: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor.from_local(local.to(param.dtype), param.device_mesh, param.placements,
                               run_check=False, shape=param.shape, stride=param.stride())
 

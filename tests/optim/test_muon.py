@@ -174,6 +174,52 @@ def check_checkpoint_into_torch_fsdp2(rank, world, directory):
         torch.testing.assert_close(_full_params(model)[name], value, **EXACT)
 
 
+class _Experts(nn.Module):
+    """A routed-experts stack [E, out, in] (as torchtitan's GroupedExperts holds w1/w2/w3)."""
+
+    def __init__(self, experts: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(experts, 6, 4) / 4)
+
+    def forward(self, x):
+        return torch.einsum("bi,eoi->beo", x, self.w).tanh().sum()
+
+
+def check_whole_experts_step_without_a_collective(rank, world):
+    """fully_shard's Shard(0) keeps whole experts per rank (3 experts over 2 ranks: 2 and 1):
+    each rank's experts step from its own shard, no collective in the optimizer step, bit for bit
+    as single-process torch.optim.Muon on each expert (the same batch on every rank: the averaged
+    gradient is exactly the single process's). A split 2-D matrix is gathered once."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    model, whole = fsdp_ext.fully_shard(_Experts()), _Experts()
+    experts = [nn.Parameter(whole.w.detach()[e].clone()) for e in range(3)]
+    ours = Muon(model.parameters(), lr=0.05)
+    theirs = torch.optim.Muon(experts, lr=0.05)
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():  # the reference stack holds what torch's Muon stepped
+            whole.w.copy_(torch.stack([p.detach() for p in experts]))
+        model(x).backward()
+        whole(x).backward()
+        for e, p in enumerate(experts):
+            p.grad = whole.w.grad[e].clone()
+        whole.w.grad = None
+        with CommDebugMode() as comm:
+            ours.step()
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        theirs.step()
+        ours.zero_grad()
+    torch.testing.assert_close(model.w.full_tensor(), torch.stack([p.detach() for p in experts]),
+                               **EXACT)
+    matrix = fsdp_ext.fully_shard(nn.Linear(4, 6, bias=False))
+    opt = Muon(matrix.parameters())
+    matrix(torch.ones(2, 4)).sum().backward()
+    with CommDebugMode() as comm:
+        opt.step()
+    assert comm.get_total_counts() == 1, comm.get_comm_counts()  # the one all-gather
+
+
 def check_bad_placement(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, distribute_tensor
@@ -187,6 +233,7 @@ def check_bad_placement(rank, world):
 def _worker(rank, world, directory):
     check_sharded_against_torch_fsdp2_and_single_process(rank, world)
     check_checkpoint_into_torch_fsdp2(rank, world, directory)
+    check_whole_experts_step_without_a_collective(rank, world)
     check_bad_placement(rank, world)
 
 
