@@ -121,14 +121,18 @@ class HostSyncCounter:
         # root -> serial, in the order first seen: a root made after another was freed may get
         # its id(), which would merge their steps into one
         self._serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._held: dict = {}
         self._next_serial = 1
         self._scalars: dict[int, tuple[int, bool]] = {}  # 0-dim storage -> (weak ref, host)
 
     # ---- what the model tells us ---------------------------------------------------------------
     def iteration_started(self, owner: object, iteration: int) -> None:
-        serial = self._serials.get(owner)
+        try:
+            serials, serial = self._serials, self._serials.get(owner)
+        except TypeError:  # no weak reference to it (None): held, so its id is never reused
+            serials, serial = self._held, self._held.get(owner)
         if serial is None:
-            serial = self._serials[owner] = self._next_serial
+            serial = serials[owner] = self._next_serial
             self._next_serial += 1
         self._root = serial
         if iteration >= STEADY_FROM:
