@@ -61,15 +61,9 @@ class Groups:
 
     @property
     def post_forward(self) -> dist.ProcessGroup | None:
-        """The group that regathers the unit in backward after `reshard_after_forward=k`: the
-        shard group itself where k is its size (an own mesh's), else the one made at the root's
-        first forward (None before it)."""
-        k = self.post_forward_size
-        if k <= 1 or self.shard is None:
-            return None
-        if k == self.shard_size:
-            return self.shard
-        return _MADE_LATER.get(("post_forward", self.shard, k))
+        """The group that regathers the unit in backward after `reshard_after_forward=k`, as
+        recorded (None before it is: the root's first forward makes it)."""
+        return _MADE_LATER.get(("post_forward", self.shard, self.post_forward_size))
 
     def reduce_scatter_over(self, separate: bool) -> dist.ProcessGroup | None:
         """The group the gradient reductions run on: the shard group, or (separate: the unit's

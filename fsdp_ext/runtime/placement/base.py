@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import dtensor_params
-from ..comm.groups import Groups
+from ..comm.groups import Groups, record_made_later
 
 
 class Placement:
@@ -95,9 +95,11 @@ def _own_groups(mesh, unit_groups: Groups, where: str) -> Groups:
     if own.shard_size % k:
         raise ValueError(f"{where} is sharded over a mesh of its own with {own.shard_size} "
                          f"shard ranks, which reshard_after_forward={k} does not divide")
-    # k equal to the mesh's size regathers over its shard group; below it, its group is made at
-    # the root's first forward (process_groups.make_first_forward_groups), under the root's
-    # collective_timeout (Groups.post_forward).
+    # k equal to the mesh's size regathers over its shard group itself; below it, its group is
+    # made at the root's first forward (process_groups.make_first_forward_groups), under the
+    # root's collective_timeout.
+    if k == own.shard_size:
+        record_made_later("post_forward", own.shard, k, own.shard)
     return dataclasses.replace(own, post_forward_size=k)
 
 
