@@ -188,7 +188,7 @@ class FSDPModule(_TorchFSDPModule):
             if enable:  # made now, for the unit's groups and its own meshes', in one order
                 timeout = comm.collective_timeout(_schedule_options(unit).collective_timeout,
                                                   unit.config.env.collective_timeout)
-                for groups in dict.fromkeys((unit.groups, *(b.groups for b in unit.buckets))):
+                for groups in dict.fromkeys(unit.every_groups()):
                     process_groups.separate_group(groups.shard, timeout)
             unit.set_separate_reduce_scatter(enable)
 

@@ -199,7 +199,7 @@ def make_first_forward_groups(units, issue_thread: bool,
     post-forward group (`reshard_after_forward=k`), then the issue thread's group of every group
     they all-gather over; without the issue thread, a meet on each shard group instead (see
     [Note: a bounded creation])."""
-    every = [g for unit in units for g in (unit.groups, *(b.groups for b in unit.buckets))]
+    every = [g for unit in units for g in unit.every_groups()]
     for groups in every:
         if groups.post_forward is None and groups.post_forward_size > 1:
             record_made_later("post_forward", groups.shard, groups.post_forward_size,

@@ -186,6 +186,10 @@ class Unit(UnitLifecycle, UnitSettings):
             with span(f"{in_flight.kind}.wait", self.name):
                 self.params.finish_unshard()
 
+    def every_groups(self) -> list:
+        """The unit's groups, then each bucket's (its own mesh's where it has one)."""
+        return [self.groups, *(b.groups for b in self.buckets)]
+
     def reshard(self) -> None:
         """Free the unsharded buffers (after any all-gather into them finished) and give the
         modules their sharded parameters back."""
