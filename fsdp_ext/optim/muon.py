@@ -14,6 +14,11 @@ Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per para
       expert dim only)                   experts on each rank)
     3-D expert stack [E, out, in]        each expert's matrix orthogonalised on its own (torch's
                                          Muon takes 2-D only; each slice is what it would do)
+    `block_rows=R` (a group option)      a [M * R, C] matrix is M independent [R, C] matrices
+                                         (one attention head each), as DistMuon's
+                                         BlockShard(0, R) computes them; where every rank's
+                                         Shard(0) rows are whole blocks (R divides the chunk),
+                                         each rank steps its own blocks with no collective
 
 The momentum buffer lives like the parameter (a DTensor with its placements: DCP saves and
 reshards it as it does the parameter). The gathering path sends each matrix once per step over
@@ -26,9 +31,12 @@ as torch's Muon reads it).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import (_compute_local_shape_and_global_offset,
+                                             compute_local_shape_and_global_offset)
 # torch's own Newton-Schulz iteration and learning-rate adjustment: the same math, bit for bit
 # (tests/optim/test_muon.py fails if torch changes what they compute)
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -44,7 +52,8 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None):
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 block_rows: int | None = None):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         for name, value in (("Learning rate", lr), ("momentum", momentum),
@@ -56,10 +65,11 @@ class Muon(torch.optim.Optimizer):
                              f"(one of {ADJUST_LR_FNS})")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                       nesterov=nesterov, ns_coefficients=ns_coefficients,
-                                      eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
+                                      eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                                      block_rows=block_rows))
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
-                _check(param, _name(group, index))
+                _check(param, _name(group, index), group["block_rows"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -85,13 +95,14 @@ def _step_one(param, grad, buf, group) -> None:
     lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar; a host value)
     buf.lerp_(grad, 1 - momentum)
     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    rows = group["block_rows"]
     if not isinstance(param, DTensor):
         ortho = _orthogonalised(update, group)
-    elif _whole_here(param):
+    elif _whole_here(param, rows):
         ortho = _as_placed(_orthogonalised(update.to_local(), group), param)
     else:
         ortho = _local_part(_orthogonalised(update.full_tensor(), group), param)
-    shape = param.shape[-2:]
+    shape = (rows, param.shape[-1]) if rows else param.shape[-2:]
     adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
     param.mul_(1 - lr * group["weight_decay"])
     param.add_(ortho, alpha=-adjusted_lr)
@@ -99,6 +110,10 @@ def _step_one(param, grad, buf, group) -> None:
 
 def _orthogonalised(whole: torch.Tensor, group) -> torch.Tensor:
     args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    rows = group["block_rows"]
+    if rows:  # [M * R, C] as M matrices [R, C]
+        blocks = whole.reshape(-1, rows, whole.shape[-1])
+        return _orthogonalised(blocks, {**group, "block_rows": None}).reshape(whole.shape)
     if whole.ndim == 2:
         return _zeropower_via_newtonschulz(whole, *args)
     if whole.shape[0] == 0:  # a rank holding none of the stack's experts
@@ -106,11 +121,23 @@ def _orthogonalised(whole: torch.Tensor, group) -> torch.Tensor:
     return torch.stack([_zeropower_via_newtonschulz(m, *args) for m in whole.unbind(0)])
 
 
-def _whole_here(param: DTensor) -> bool:
-    """Whether this rank's part of `param` is whole matrices: replicated, or an expert stack
-    split along its expert dim (dim 0) only."""
+def _whole_here(param: DTensor, rows: int | None) -> bool:
+    """Whether every rank's part of `param` is whole matrices (the same answer on every rank, as
+    the collective it spares must be): replicated, an expert stack split along its expert dim
+    (dim 0) only, or blocks of `rows` rows split along dim 0 where every rank's first row and
+    row count are multiples of `rows`."""
     dims = {p.dim for p in param.placements if isinstance(p, Shard)}
-    return not dims or (param.ndim == 3 and dims == {0})
+    if not dims or (param.ndim == 3 and dims == {0}):
+        return True
+    if not rows or dims != {0}:
+        return False
+    mesh_shape = tuple(param.device_mesh.shape)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        (count, _), (first, _) = _compute_local_shape_and_global_offset(
+            param.shape, mesh_shape, list(coordinate), param.placements)
+        if count % rows or first % rows:
+            return False
+    return True
 
 
 def _local_part(ortho: torch.Tensor, param: DTensor) -> DTensor:
@@ -130,7 +157,10 @@ def _name(group, index: int) -> str:
     return f"parameter '{names[index]}'" if names else f"parameter {index} of its group"
 
 
-def _check(param, where: str) -> None:
+def _check(param, where: str, rows: int | None) -> None:
+    if rows is not None and (param.ndim != 2 or rows <= 0 or param.shape[0] % rows):
+        raise ValueError(f"Muon: {where} has shape {list(param.shape)}, which block_rows={rows} "
+                         "does not cut into whole blocks (a 2-D matrix whose rows it divides)")
     if param.ndim not in (2, 3):
         raise ValueError(f"Muon: {where} has shape {list(param.shape)}; Muon orthogonalises "
                          "matrices (2-D) and expert stacks (3-D, one matrix per expert): give "

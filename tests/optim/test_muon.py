@@ -68,12 +68,33 @@ def test_an_expert_stack_is_each_experts_matrix():
                                **EXACT)
 
 
+def test_blocks_of_rows_are_each_blocks_matrix():
+    """block_rows=R: a [M * R, C] matrix steps as M separate [R, C] matrices under
+    torch.optim.Muon (DistMuon's BlockShard(0, R): one attention head per block)."""
+    torch.manual_seed(0)
+    heads = nn.Parameter(torch.randn(12, 5))
+    blocks = [nn.Parameter(heads.detach()[4 * b:4 * b + 4].clone()) for b in range(3)]
+    ours = Muon([{"params": [heads], "block_rows": 4}], lr=0.05, adjust_lr_fn="match_rms_adamw")
+    theirs = torch.optim.Muon(blocks, lr=0.05, adjust_lr_fn="match_rms_adamw")
+    for step in range(3):
+        grad = torch.randn(12, 5, generator=torch.Generator().manual_seed(step))
+        heads.grad = grad.clone()
+        for b, p in enumerate(blocks):
+            p.grad = grad[4 * b:4 * b + 4].clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(heads.detach(), torch.cat([p.detach() for p in blocks]), **EXACT)
+
+
 def test_refusals_name_the_parameter():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"parameter '0\.bias' has shape \[4\].*AdamW"):
         Muon(list(model.named_parameters()))
     with pytest.raises(ValueError, match="Adjust learning rate function nope"):
         Muon(model[0].parameters(), adjust_lr_fn="nope")
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' has shape \[4, 4\], which "
+                       r"block_rows=3 does not cut"):
+        Muon([{"params": [("0.weight", model[0].weight)], "block_rows": 3}])
     with pytest.raises(ValueError, match="momentum should be >= 0"):
         Muon([model[0].weight], momentum=-1.0)
 
@@ -218,6 +239,15 @@ def check_whole_experts_step_without_a_collective(rank, world):
     with CommDebugMode() as comm:
         opt.step()
     assert comm.get_total_counts() == 1, comm.get_comm_counts()  # the one all-gather
+    # the same [8, 4] matrix as two [4, 4] blocks: each rank's 4 rows are a whole block (no
+    # collective); as four [2, 4] blocks too; as [8, 4] blocks of 8 rows it is split again
+    for rows, collectives in ((4, 0), (2, 0), (8, 1)):
+        matrix = fsdp_ext.fully_shard(nn.Linear(4, 8, bias=False))
+        opt = Muon([{"params": matrix.parameters(), "block_rows": rows}])
+        matrix(torch.ones(2, 4)).sum().backward()
+        with CommDebugMode() as comm:
+            opt.step()
+        assert comm.get_total_counts() == collectives, (rows, comm.get_comm_counts())
 
 
 def check_bad_placement(rank, world):

@@ -1,0 +1,157 @@
+"""torchtitan's DistMuon (torchtitan/distributed/flex_shard/) on fsdp_ext's fully_shard: the
+optimizer torchtitan's Kimi configs train with reads the parameters' DTensor placements and
+redistributes each matrix to its compute layout (`Owned`: the whole matrix to one rank;
+`BlockShard(0, R)`: whole R-row blocks, one attention head each), so it runs on any FSDP whose
+parameters are torch's Shard(0) DTensors. Run on CPU ranks through tests/helpers/dist_muon_cpu.py
+(its streams and CUDA check answered; its math and collectives untouched):
+
+- fsdp_ext and torch's FSDP2 on the same script give the same losses and parameters bit for bit;
+- fsdp_ext's own Muon (each matrix gathered whole on every rank) gives DistMuon's parameters
+  within a bf16 rounding of Newton-Schulz's output (DistMuon batches same-shape matrices into one
+  bf16 kernel and adds its update in bf16);
+- DistMuon's state saved with DCP from fsdp_ext's model loads into torch's FSDP2 model and the
+  two continue bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import fsdp_ext
+from examples.models import GPT, GPTConfig
+
+from ..helpers import dist_muon_cpu
+from ..helpers.dist import local_slice, run_distributed
+
+pytest.importorskip("torchtitan.distributed.flex_shard")
+EXACT = dict(atol=0, rtol=0)
+HEAD_DIM = 8
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16))
+
+
+def _is_matrix(name: str, param) -> bool:
+    return param.ndim == 2 and name.startswith("blocks.")
+
+
+def _dist_muon(model, mesh):
+    """DistMuon on the blocks' matrices (qkv per head, the rest whole), AdamW on the rest, as
+    torchtitan's Kimi configs split them."""
+    from torchtitan.distributed.flex_shard import BlockShard, BucketConfig, ComputeLayout, Owned
+    from torchtitan.distributed.flex_shard import build_dist_muon
+    matrices = [(n, p) for n, p in model.named_parameters() if _is_matrix(n, p)]
+    layouts = {n: ComputeLayout({"dp_shard": BlockShard(0, HEAD_DIM) if ".qkv." in n
+                                 else Owned()}) for n, _ in matrices}
+    muon = build_dist_muon([{"params": [p for _, p in matrices],
+                             "param_names": [n for n, _ in matrices]}],
+                           compute_sharding_by_fqn=layouts,
+                           bucket_configs=[BucketConfig(("blocks.0.*",), name="block 0"),
+                                           BucketConfig(("blocks.1.*",), name="block 1")],
+                           lr=0.02, adjust_lr_fn="match_rms_adamw")
+    others = [p for n, p in model.named_parameters() if not _is_matrix(n, p)]
+    return [muon, torch.optim.AdamW(others, lr=1e-3)]
+
+
+def _fsdp_ext_muon(model, mesh):
+    """fsdp_ext's Muon on the same split: qkv per head (block_rows), the rest whole."""
+    matrices = [(n, p) for n, p in model.named_parameters() if _is_matrix(n, p)]
+    heads = [(n, p) for n, p in matrices if ".qkv." in n]
+    whole = [(n, p) for n, p in matrices if ".qkv." not in n]
+    others = [p for n, p in model.named_parameters() if not _is_matrix(n, p)]
+    return [fsdp_ext.optim.Muon([{"params": heads, "block_rows": HEAD_DIM}, {"params": whole}],
+                                lr=0.02, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(others, lr=1e-3)]
+
+
+def _built(shard, make_optimizers, mesh):
+    model = _gpt()
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model, make_optimizers(model, mesh)
+
+
+def _steps(model, optimizers, rank: int, world: int, steps) -> list[torch.Tensor]:
+    losses = []
+    for step in steps:
+        idx = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(step))
+        batch = local_slice(idx, rank, world)
+        loss = model(batch, batch)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def check_against_torch_fsdp2(rank, world, mesh):
+    ours, our_opts = _built(fsdp_ext.fully_shard, _dist_muon, mesh)
+    theirs, their_opts = _built(torch_fully_shard, _dist_muon, mesh)
+    torch.testing.assert_close(torch.stack(_steps(ours, our_opts, rank, world, range(4))),
+                               torch.stack(_steps(theirs, their_opts, rank, world, range(4))),
+                               **EXACT)
+    for name, value in _full(theirs).items():
+        torch.testing.assert_close(_full(ours)[name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def check_against_fsdp_ext_muon(rank, world, mesh):
+    dist_muon, dist_opts = _built(fsdp_ext.fully_shard, _dist_muon, mesh)
+    own, own_opts = _built(fsdp_ext.fully_shard, _fsdp_ext_muon, mesh)
+    _steps(dist_muon, dist_opts, rank, world, range(3))
+    _steps(own, own_opts, rank, world, range(3))
+    theirs, mine = _full(dist_muon), _full(own)
+    for name, value in theirs.items():
+        torch.testing.assert_close(mine[name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def check_checkpoint_into_torch_fsdp2(rank, world, mesh, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    ours, our_opts = _built(fsdp_ext.fully_shard, _dist_muon, mesh)
+    _steps(ours, our_opts, rank, world, range(2))
+    saved = {f"opt{i}": get_state_dict(ours, opt)[1] for i, opt in enumerate(our_opts)}
+    saved["model"] = get_state_dict(ours, [])[0]
+    dcp.save(saved, checkpoint_id=directory)
+    theirs, their_opts = _built(torch_fully_shard, _dist_muon, mesh)
+    _steps(theirs, their_opts, rank, world, range(1))  # (makes the optimizer state)
+    loaded = {f"opt{i}": get_state_dict(theirs, opt)[1] for i, opt in enumerate(their_opts)}
+    loaded["model"] = get_state_dict(theirs, [])[0]
+    dcp.load(loaded, checkpoint_id=directory)
+    for i, opt in enumerate(their_opts):
+        set_state_dict(theirs, opt, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded[f"opt{i}"])
+    torch.testing.assert_close(torch.stack(_steps(ours, our_opts, rank, world, range(2, 4))),
+                               torch.stack(_steps(theirs, their_opts, rank, world, range(2, 4))),
+                               **EXACT)
+    for name, value in _full(theirs).items():
+        torch.testing.assert_close(_full(ours)[name], value, **EXACT)
+
+
+def _worker(rank, world, directory):
+    dist_muon_cpu.apply()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    check_against_torch_fsdp2(rank, world, mesh)
+    check_against_fsdp_ext_muon(rank, world, mesh)
+    if directory is not None:
+        check_checkpoint_into_torch_fsdp2(rank, world, mesh, directory)
+
+
+def test_dist_muon_on_fsdp_ext_at_world_2(tmp_path):
+    run_distributed(_worker, 2, str(tmp_path / "dcp"), timeout_s=240)
+
+
+@pytest.mark.slow
+def test_dist_muon_on_fsdp_ext_at_world_4():
+    run_distributed(_worker, 4, None, timeout_s=300)
