@@ -5,10 +5,13 @@ update, Newton-Schulz iteration with its coefficients and steps, decoupled weigh
 Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per parameter:
 
     plain tensor (a whole matrix here)   the update is computed here, as torch.optim.Muon does
-    DTensor split across ranks           the Nesterov update is made on the local shard, gathered
-      (Shard(dim) on its mesh's axes)    whole (`full_tensor()`: one all-gather over its mesh),
-                                         orthogonalised on every rank of the mesh, and each rank
-                                         keeps its own part of the result (no second collective)
+    DTensor split along one mesh axis    the Nesterov update is made on the local shard; each
+      (Shard(dim) there, Replicate on    matrix goes whole to one owner rank of that axis, is
+      the others)                        orthogonalised there, and each rank gets its part back
+                                         (to_owners.py: two all-to-alls per group and mesh, the
+                                         owners balanced; DistMuon's traffic)
+    DTensor split along several axes     gathered whole (`full_tensor()`) and orthogonalised on
+                                         every rank, each keeping its own part
     DTensor whole here (Replicate only;  the update is computed from the local tensor: no
       an expert stack sharded along its  collective (fully_shard's default Shard(0) keeps whole
       expert dim only)                   experts on each rank)
@@ -21,11 +24,11 @@ Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per para
                                          each rank steps its own blocks with no collective
 
 The momentum buffer lives like the parameter (a DTensor with its placements: DCP saves and
-reshards it as it does the parameter). The gathering path sends each matrix once per step over
-its data-parallel mesh and repeats its orthogonalisation on each rank of it; placements that put
-whole matrices on one rank make that collective unnecessary (docs/api.md, "Muon").
+reshards it as it does the parameter). A split matrix crosses its shard group twice per step
+(to its owner, and its parts back); placements that keep whole matrices or blocks on each rank
+need no collective at all (docs/api.md, "Muon").
 
-On the GPU path: no host sync (the gathers are collectives the compute stream waits for; the
+On the GPU path: no host sync (the exchanges are collectives the compute stream waits for; the
 learning-rate adjustment is computed from shapes on the host; a tensor `lr` is read on the host,
 as torch's Muon reads it).
 """
@@ -40,6 +43,8 @@ from torch.distributed.tensor._utils import (_compute_local_shape_and_global_off
 # torch's own Newton-Schulz iteration and learning-rate adjustment: the same math, bit for bit
 # (tests/optim/test_muon.py fails if torch changes what they compute)
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from .to_owners import orthogonalised_parts, shard_axis
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
@@ -78,6 +83,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            split = []  # (param, its Nesterov update): orthogonalised on their owners
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -85,27 +91,38 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(
                         param.grad, memory_format=torch.preserve_format)
-                _step_one(param, param.grad, state["momentum_buffer"], group)
+                update = _nesterov_update(param.grad, state["momentum_buffer"], group)
+                if not isinstance(param, DTensor):
+                    _apply(param, _orthogonalised(update, group), group)
+                elif _whole_here(param, group["block_rows"]):
+                    _apply(param, _as_placed(_orthogonalised(update.to_local(), group), param),
+                           group)
+                elif shard_axis(param) is not None:
+                    split.append((param, update))
+                else:  # split over several mesh dims: gathered whole on every rank
+                    _apply(param, _local_part(_orthogonalised(update.full_tensor(), group),
+                                              param), group)
+            parts = orthogonalised_parts([u for _, u in split],
+                                         lambda whole: _orthogonalised(whole, group))
+            for (param, _), part in zip(split, parts):
+                _apply(param, _as_placed(part, param), group)
         return loss
 
 
-def _step_one(param, grad, buf, group) -> None:
-    """torch's _single_tensor_muon for one parameter, its Newton-Schulz on the whole matrix."""
-    momentum, lr = group["momentum"], group["lr"]
+def _nesterov_update(grad, buf, group):
+    """torch's _single_tensor_muon up to Newton-Schulz: the momentum step and the update."""
+    buf.lerp_(grad, 1 - group["momentum"])
+    return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+
+def _apply(param, ortho, group) -> None:
+    """Decoupled weight decay and the orthogonalised step, with torch's lr adjustment for the
+    shape of one matrix (one block under `block_rows`)."""
+    lr, rows = group["lr"], group["block_rows"]
     lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar; a host value)
-    buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    rows = group["block_rows"]
-    if not isinstance(param, DTensor):
-        ortho = _orthogonalised(update, group)
-    elif _whole_here(param, rows):
-        ortho = _as_placed(_orthogonalised(update.to_local(), group), param)
-    else:
-        ortho = _local_part(_orthogonalised(update.full_tensor(), group), param)
     shape = (rows, param.shape[-1]) if rows else param.shape[-2:]
-    adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
     param.mul_(1 - lr * group["weight_decay"])
-    param.add_(ortho, alpha=-adjusted_lr)
+    param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
 
 
 def _orthogonalised(whole: torch.Tensor, group) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """fsdp_ext.optim.Muon: torch.optim.Muon's math bit for bit on whole matrices (every
 `adjust_lr_fn`, with and without Nesterov, expert stacks per expert), and on sharded parameters:
 fsdp_ext's fully_shard and torch's on the same script give the same losses and parameters bit for
-bit (the matrices gathered whole, each rank keeping its part), both within rounding of
+bit (each split matrix orthogonalised whole on one owner rank, each rank getting its part
+back; under HSDP too), both within rounding of
 single-process torch.optim.Muon; refusals name the parameter."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp_ext
 from fsdp_ext.optim import Muon
@@ -146,6 +147,8 @@ def _full_params(model) -> dict:
 
 def _train_gpt(shard, muon_cls, rank: int, world: int, steps: int = 3):
     model, optimizers = _built(shard, muon_cls)
+    if shard is not None:
+        assert model.blocks[0].mlp[0].weight.placements[-1] == Shard(0)  # (split: exchanged)
     losses = _steps(model, optimizers, rank, world, range(steps), sharded=shard is not None)
     return losses, _full_params(model)
 
@@ -211,7 +214,7 @@ def check_whole_experts_step_without_a_collective(rank, world):
     """fully_shard's Shard(0) keeps whole experts per rank (3 experts over 2 ranks: 2 and 1):
     each rank's experts step from its own shard, no collective in the optimizer step, bit for bit
     as single-process torch.optim.Muon on each expert (the same batch on every rank: the averaged
-    gradient is exactly the single process's). A split 2-D matrix is gathered once."""
+    gradient is exactly the single process's). A split 2-D matrix goes to its owner and back."""
     from torch.distributed.tensor.debug import CommDebugMode
     model, whole = fsdp_ext.fully_shard(_Experts()), _Experts()
     experts = [nn.Parameter(whole.w.detach()[e].clone()) for e in range(3)]
@@ -238,10 +241,11 @@ def check_whole_experts_step_without_a_collective(rank, world):
     matrix(torch.ones(2, 4)).sum().backward()
     with CommDebugMode() as comm:
         opt.step()
-    assert comm.get_total_counts() == 1, comm.get_comm_counts()  # the one all-gather
+    # to its owner and back: two all-to-alls
+    assert comm.get_comm_counts() == {torch.ops.c10d.alltoall_base_: 2}, comm.get_comm_counts()
     # the same [8, 4] matrix as two [4, 4] blocks: each rank's 4 rows are a whole block (no
     # collective); as four [2, 4] blocks too; as [8, 4] blocks of 8 rows it is split again
-    for rows, collectives in ((4, 0), (2, 0), (8, 1)):
+    for rows, collectives in ((4, 0), (2, 0), (8, 2)):
         matrix = fsdp_ext.fully_shard(nn.Linear(4, 8, bias=False))
         opt = Muon([{"params": matrix.parameters(), "block_rows": rows}])
         matrix(torch.ones(2, 4)).sum().backward()
@@ -269,3 +273,22 @@ def _worker(rank, world, directory):
 
 def test_sharded_muon_at_world_2(tmp_path):
     run_distributed(_worker, 2, str(tmp_path / "dcp"), timeout_s=180)
+
+
+def _hsdp_worker(rank, world):
+    """World 4 as 2 replicas x 2 shards: the replicas exchange alike along their shard axis."""
+    from functools import partial
+
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours = _train_gpt(partial(fsdp_ext.fully_shard, mesh=mesh), Muon, rank, world)
+    theirs = _train_gpt(partial(torch_fully_shard, mesh=mesh), Muon, rank, world)
+    torch.testing.assert_close(torch.stack(ours[0]), torch.stack(theirs[0]), **EXACT)
+    for name, value in theirs[1].items():
+        torch.testing.assert_close(ours[1][name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+    check_sharded_against_torch_fsdp2_and_single_process(rank, world)
+
+
+@pytest.mark.slow
+def test_sharded_muon_at_world_4_and_under_hsdp():
+    run_distributed(_hsdp_worker, 4, timeout_s=240)

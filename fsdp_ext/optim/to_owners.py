@@ -1,0 +1,107 @@
+"""Matrices split across ranks, orthogonalised once each: every split matrix has one owner rank
+on its shard axis, chosen so that each rank's Newton-Schulz work is about equal (the owner
+assignment of runtime/placement/owners.py, largest first). One all-to-all brings each owner the
+pieces of its matrices, the owner orthogonalises them whole, and a second all-to-all takes each
+rank's part of the results back: each matrix crosses the shard group twice, as torchtitan's
+DistMuon moves it, instead of being gathered on every rank and orthogonalised there W times.
+
+A batch is the split matrices of one parameter group on one mesh with one shard axis (Shard(dim)
+on that axis, Replicate on the others: the replicas of HSDP exchange alike and compute the same
+result) and one dtype; the pieces of a matrix are concatenated along its shard dim in rank
+order, which is what `full_tensor()` would give, bit for bit.
+
+On the GPU path: the split sizes are computed from shapes on the host; the collectives are
+torch.distributed's, waited for by the compute stream; no host sync.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from ..runtime.placement.owners import assign_owners
+
+# what torch's Newton-Schulz iteration returns (torch/optim/_muon.py works in bfloat16)
+RESULT_DTYPE = torch.bfloat16
+
+
+def shard_axis(param: DTensor) -> int | None:
+    """The one mesh dim `param` is split over (the others replicate it), or None."""
+    axes = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    return axes[0] if len(axes) == 1 else None
+
+
+def orthogonalised_parts(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
+    """This rank's part of `orthogonalise(whole)` for each update (DTensors split over one mesh
+    axis), each whole matrix orthogonalised on its owner only."""
+    batches = defaultdict(list)
+    for index, update in enumerate(updates):
+        axis = shard_axis(update)
+        batches[(id(update.device_mesh), axis, update.dtype)].append(index)
+    parts: list[torch.Tensor | None] = [None] * len(updates)
+    for indices in batches.values():
+        done = _exchange([updates[i] for i in indices], orthogonalise)
+        for i, part in zip(indices, done):
+            parts[i] = part
+    return parts
+
+
+def _pieces(update: DTensor, axis: int, world: int) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, first index along the shard dim) of each shard rank's piece of `update` along mesh
+    dim `axis` (its coordinates on the other, replicating, dims do not matter)."""
+    mesh_shape, dim = tuple(update.device_mesh.shape), update.placements[axis].dim
+    pieces = []
+    for index in range(world):
+        coordinate = [0] * len(mesh_shape)
+        coordinate[axis] = index
+        shape, offset = _compute_local_shape_and_global_offset(
+            update.shape, mesh_shape, coordinate, update.placements)
+        pieces.append((tuple(shape), offset[dim]))
+    return pieces
+
+
+def _exchange(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
+    mesh, axis = updates[0].device_mesh, shard_axis(updates[0])
+    group, world = mesh.get_group(axis), mesh.size(axis)
+    me = mesh.get_local_rank(axis)
+    owners = assign_owners([u.numel() for u in updates], world)
+    pieces = [_pieces(u, axis, world) for u in updates]
+    counts = [[math.prod(shape) for shape, _ in p] for p in pieces]
+    dims = [u.placements[axis].dim for u in updates]
+    owned = [[i for i, o in enumerate(owners) if o == d] for d in range(world)]
+    # to the owners: to rank d, this rank's piece of each matrix d owns, in matrix order
+    sent = [sum(counts[i][me] for i in owned[d]) for d in range(world)]
+    got = [sum(counts[i][s] for i in owned[me]) for s in range(world)]
+    send = _cat([updates[i].to_local().reshape(-1) for d in range(world) for i in owned[d]],
+                updates[0].dtype, updates[0].device)
+    received = send.new_empty(sum(got))
+    dist.all_to_all_single(received, send, got, sent, group=group)
+    # the owner's matrices whole (source s's block holds its piece of each, in matrix order),
+    # orthogonalised; back to rank s goes its piece of each, in the result's dtype (bf16 for
+    # torch's Newton-Schulz: exact, and half of fp32's bytes)
+    from_source = [iter(block.split([counts[i][s] for i in owned[me]]))
+                   for s, block in enumerate(received.split(got))]
+    results = {i: orthogonalise(torch.cat([next(from_source[s]).view(pieces[i][s][0])
+                                           for s in range(world)], dim=dims[i]))
+               for i in owned[me]}
+    dtype = RESULT_DTYPE
+    back = _cat([results[i].narrow(dims[i], pieces[i][s][1], pieces[i][s][0][dims[i]])
+                 .reshape(-1) for s in range(world) for i in owned[me]], dtype, send.device)
+    mine = back.new_empty(sum(sent))
+    dist.all_to_all_single(mine, back, sent, got, group=group)
+    from_owner = [iter(block.split([counts[i][me] for i in owned[d]]))
+                  for d, block in enumerate(mine.split(sent))]
+    parts: list[torch.Tensor | None] = [None] * len(updates)
+    for d in range(world):
+        for i in owned[d]:
+            parts[i] = next(from_owner[d]).view(pieces[i][me][0])
+    return parts
+
+
+def _cat(flats: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.cat([f.to(dtype) for f in flats]) if flats else torch.empty(0, dtype=dtype,
+                                                                              device=device)
