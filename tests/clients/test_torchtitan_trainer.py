@@ -15,7 +15,9 @@ fsdp_ext's (tests/helpers/titan_cpu.py: the swap and the CPU shims):
   implementations, Interleaved1F1B);
 - the same for its Qwen3 MoE (EP 1 at world 2 and 4; EP 2 at world 4, on its default spmd_types
   backend, with a checkpoint resumed across implementations, and on its partial_dtensor and
-  full_dtensor ones).
+  full_dtensor ones);
+- the same with its Kimi optimizer recipe (DistMuon for the blocks' matrices, AdamW for the rest),
+  with a checkpoint of torch's resumed under fsdp_ext.
 """
 from __future__ import annotations
 
@@ -84,6 +86,24 @@ def test_torchtitan_trainer_fsdp_ext_matches_torch_fsdp2(tmp_path):
         assert os.path.isdir(tmp_path / impl / "checkpoint" / f"step-{SAVE_AT}")
     assert runs["torch"][STEPS][0] < runs["torch"][1][0]    # it trains
     _resume_across(tmp_path, assets, runs, STEPS, SAVE_AT)
+
+
+@pytest.mark.slow
+@pytest.mark.essential
+def test_torchtitan_trainer_dist_muon_matches_torch_fsdp2(tmp_path):
+    """llama3 with torchtitan's Kimi recipe (tests/helpers/titan_overrides.py `dist_muon`: its
+    DistMuon per head for the fused wqkv, whole for wo/w1/w2/w3; AdamW for the rest): the losses and
+    gradient norms agree bitwise every step, and fsdp_ext resumes torch's checkpoint (DistMuon's
+    momentum included) onto the same trajectory."""
+    assets = make_assets(str(tmp_path / "assets"))
+    muon = ["--override.imports",
+            'tests.helpers.titan_overrides.dist_muon={"n_layers": 6, "head_dim": 16}']
+    save = [*muon, "--training.steps", str(STEPS), "--checkpoint.enable",
+            "--checkpoint.interval", str(SAVE_AT)]
+    runs = _both(tmp_path, assets, save, STEPS, logged="DistMuon")
+    assert runs["torch"][STEPS][0] < runs["torch"][1][0]    # it trains
+    _resume_across(tmp_path, assets, runs, STEPS, SAVE_AT, directions=(("torch", "fsdp_ext"),),
+                   base=[*SMALL, *muon])
 
 
 @pytest.mark.slow

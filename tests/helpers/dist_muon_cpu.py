@@ -3,8 +3,9 @@ asks for a CUDA device and overlaps its redistribution on CUDA streams. On CPU e
 runs in order on the calling thread, so a stream is only an ordering that already holds; the
 shim answers those calls and changes nothing of the optimizer's math or its collectives:
 
-- `torch.get_device_module("cpu")` answers with streams and events that accept torchtitan's
-  arguments (`Stream(device=, priority=)`) and order nothing;
+- `torch.get_device_module("cpu")`, as its redistribution runtime calls it (only there: that
+  module's `torch` is a view of torch with this one function answered), gives streams and events
+  that accept torchtitan's arguments (`Stream(device=, priority=)`) and order nothing;
 - `Tensor.record_stream` is a no-op on CPU tensors (no caching allocator tracks them);
 - `DistMuon._validate_parameter_storage` accepts DTensor parameters on one CPU device (its only
   other check, "one CUDA device per process").
@@ -48,20 +49,27 @@ _CPU_MODULE = types.SimpleNamespace(
     current_stream=lambda device=None: _CALLER, synchronize=lambda device=None: None)
 
 
+class _TorchWithCpuStreams:
+    """torch, but for `get_device_module` of a CPU device."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def get_device_module(device=None):
+        if device is not None and torch.device(device).type == "cpu":
+            return _CPU_MODULE
+        return torch.get_device_module(device)
+
+
 def apply() -> None:
     """Let DistMuon run on CPU ranks (idempotent)."""
+    from torchtitan.distributed.flex_shard import _optimizer_reshard_runtime as runtime
     from torchtitan.distributed.flex_shard import dist_muon
 
     if getattr(dist_muon.DistMuon, "_cpu_shim", False):
         return
-    device_module = torch.get_device_module
-
-    def get_device_module(device=None):
-        if device is not None and torch.device(device).type == "cpu":
-            return _CPU_MODULE
-        return device_module(device)
-
-    torch.get_device_module = get_device_module
+    runtime.torch = _TorchWithCpuStreams()
 
     record_stream = torch.Tensor.record_stream
 

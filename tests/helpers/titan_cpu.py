@@ -13,7 +13,9 @@ neither). torchtitan 0.3.0 needs on a machine without an accelerator:
 - an attention with a CPU backward: the model's FlexAttention is compiled with inductor, which has
   no CPU backward, and torch's eager `flex_attention` refuses inputs that require grad on CPU
   (only a device check: its dense reference has a backward). The shim runs the eager reference
-  with that check lifted, so the model keeps its block-causal, per-document masks.
+  with that check lifted, so the model keeps its block-causal, per-document masks;
+- its `DistMuon` (a parameter group's optimizer in its Kimi configs): streams and a CUDA check
+  answered for CPU ranks (tests/helpers/dist_muon_cpu.py), its math untouched.
 
 With `--fsdp fsdp_ext`, one assignment swaps the implementation: `fully_shard` in
 `torchtitan.distributed.fsdp` (the only place the llama3 path calls it from). Its `FSDPModule`
@@ -187,6 +189,8 @@ def apply_cpu_shims() -> None:
     FlexAttention._compiled_flex_attn = _cpu_flex_attention()
     _force_sum_reduction_on_gloo()
     _uneven_all_to_all_on_gloo()
+    from . import dist_muon_cpu
+    dist_muon_cpu.apply()
     _no_sleep_at_the_end()
     _flex_attention_compiled_as_the_rest()
 

@@ -11,9 +11,15 @@ held before the overrides ran.
 
     --override.imports 'tests.helpers.titan_overrides.moe_size={"n_layers": 2, "num_experts": 2,
                                                         "top_k": 1, "hidden_dim": 256}'
+
+`dist_muon` gives a llama3 decoder torchtitan's Kimi optimizer recipe (DistMuon for the blocks'
+matrices, AdamW for the rest), which only its Kimi configs ship:
+
+    --override.imports 'tests.helpers.titan_overrides.dist_muon={"n_layers": 6, "head_dim": 16}'
 """
 from __future__ import annotations
 
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.config.override import override
 from torchtitan.models.common.decoder import Decoder
 
@@ -40,4 +46,37 @@ def moe_size(cfg: Decoder.Config, *, n_layers: int | None = None, num_experts: i
         if hidden_dim is not None:
             experts.hidden_dim = hidden_dim
         assert router.top_k <= router.num_experts, (router.top_k, router.num_experts)
+    return cfg
+
+
+@override(target=OptimizersContainer.Config, description="DistMuon on the blocks' matrices")
+def dist_muon(cfg: OptimizersContainer.Config, *, n_layers: int, head_dim: int,
+              lr: float = 8e-4) -> OptimizersContainer.Config:
+    """torchtitan's Kimi recipe on a llama3 decoder: DistMuon for each block's attention and
+    feed-forward matrices (the fused wqkv per head: BlockShard(0, head_dim); wo, w1, w2, w3
+    whole: Owned), one bucket per block; AdamW for embeddings, norms and the output head."""
+    from torchtitan.distributed.flex_shard import BlockShard, BucketConfig, ComputeLayout, Owned
+
+    per_head = ComputeLayout({"dp_shard": BlockShard(dim=0, block_size=head_dim)})
+    owned = ComputeLayout({"dp_shard": Owned()})
+    layouts = {}
+    for layer in range(n_layers):
+        layouts[f"layers.{layer}.attention.qkv_linear.wqkv.weight"] = per_head
+        layouts[f"layers.{layer}.attention.wo.weight"] = owned
+        for name in ("w1", "w2", "w3"):
+            layouts[f"layers.{layer}.feed_forward.{name}.weight"] = owned
+    buckets = tuple(BucketConfig(name=f"layers.{layer}", patterns=(f"layers.{layer}.*",))
+                    for layer in range(n_layers))
+    cfg.implementation = "foreach"  # as the Kimi configs: DistMuon refuses fused groups
+    cfg.param_groups = [
+        ParamGroupConfig(pattern=r"(attention\.(qkv_linear\.wqkv|wo)|feed_forward\.w[123])\.weight$",
+                         optimizer_name="DistMuon",
+                         optimizer_kwargs={"lr": lr, "weight_decay": 0.1, "foreach": False,
+                                           "adjust_lr_fn": "match_rms_adamw"}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8,
+                                           "weight_decay": 0.1}),
+    ]
+    cfg.optimizer_factory_kwargs_by_name = {
+        "DistMuon": {"bucket_configs": buckets, "compute_sharding_by_fqn": layouts}}
     return cfg
