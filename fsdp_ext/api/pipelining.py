@@ -15,8 +15,17 @@ torch's `PipelineStage` drives FSDP itself (torch 2.14, torch/distributed/pipeli
 For the last, `register(module)` puts a `_StageState` there. Its `post_backward()` per unit
 reduces what the no_sync micro-batches accumulated (grads.reduce_accumulated); the final callback
 waits for those reductions, reshards and makes the step's one host sync
-(Schedule.finish_reductions). tests/api/test_pipelining.py checks the calls above are still the ones
-torch's stage makes, and fails the day they change.
+(Schedule.finish_reductions).
+
+The schedules that split backward (ZBV, zero bubble, DualPipeV) take the weights' gradients in a
+pass of their own: `stage_backward_weight(module.parameters(), ...)` (_backward.py ~281-337), an
+`autograd.grad` over the sharded parameters. The units' views are made with the sharded
+parameters as inputs of their autograd node (runtime/unit/params.py), so that pass reaches the
+unit's gradient path, which sums them as torch's stage sums them into .grad (in the parameter
+dtype, until the unit's next backward or this reduction: UnitParams.hold_weight_pass); the
+parameters get zeros from it there, added to their .grad before the reduction adds the gradient.
+tests/api/test_pipelining.py checks the calls above are still the ones torch's stage makes, and
+fails the day they change.
 """
 from __future__ import annotations
 
@@ -45,7 +54,13 @@ class _ParamGroup:
         self.unit, self.stage = unit, stage
 
     def post_backward(self, *unused) -> None:
-        if self.unit.schedule is not None and reduce_accumulated(self.unit):
+        unit = self.unit
+        if unit.schedule is None:
+            return
+        if unit.params.held is not None:  # weight passes since its last backward: reduced with
+            unit.params.flush_held(unit)  # what the accumulators hold (gradient sync is on)
+            self.stage.note_reduced()
+        elif reduce_accumulated(unit):
             self.stage.note_reduced()
 
 
@@ -80,18 +95,14 @@ class _StageState:
         reduced, self.reduced = self.reduced, False
         trainable = [u for u in units_with_paths(self._module) if u.params.grad_indices]
         if trainable and not reduced:
-            # The schedules that split backward (ZBV, zero bubble) compute the weights'
-            # gradients with autograd.grad over module.parameters(): the sharded parameters,
-            # which fsdp_ext keeps out of the graph (its forward uses views of the gathered
-            # buffers), so no gradient would reach them. Refused rather than a silent step.
+            # A schedule whose backward never reached the units' gradient path (one that takes
+            # gradients otherwise than torch's stage does): refused rather than a silent step.
+            rank = dist.get_rank() if dist.is_initialized() else 0
             raise NotImplementedError(
                 f"fsdp_ext: pipeline stage {type(self._module).__name__} ('{unit.name or '<root>'}'"
-                f", rank {dist.get_rank()}) ran its micro-batches' backward without any "
-                "gradient reaching its units: torch's schedules that split the backward into "
-                "input and weight passes (ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, "
-                "ScheduleDualPipeV) take the weights' gradients over module.parameters(), which "
-                "fsdp_ext's gathered parameters are not; use Schedule1F1B, ScheduleGPipe or "
-                "ScheduleInterleaved1F1B")
+                f", rank {rank}) ran its micro-batches' backward without any "
+                "gradient reaching its units: the schedule took the gradients otherwise than "
+                "torch's PipelineStage backward and weight passes do")
         unit.schedule.finish_reductions()
 
 

@@ -4,11 +4,12 @@
 - torch's stage code still makes the calls that module answers (read from its source: the day
   torch changes them, this fails and names the line);
 - PP 2 x FSDP 2 at world 4, one script run with torch's `fully_shard` and with fsdp_ext's, under
-  Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B (two stages per rank): every loss,
-  gradient and trained parameter bit for bit; and under Schedule1F1B with each stage
-  replicated (`replicate`, whose ReplicateModule the stage asks `replicate.state` of);
-- the schedules that split backward into input and weight passes (ZBV) are refused with a clear
-  error at the first step, on every rank, instead of leaving the gradients None;
+  Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B (two stages per rank) and
+  ScheduleZBVZeroBubble (two stages per rank in a V, backward split into input and weight
+  passes): every loss, gradient and trained parameter bit for bit; and under Schedule1F1B with
+  each stage replicated (`replicate`, whose ReplicateModule the stage asks `replicate.state` of);
+- the other schedules that split backward (ScheduleInterleavedZeroBubble, ScheduleDualPipeV),
+  the same, in the slow tier;
 - torchtitan's own trainer with PP is in tests/clients/test_torchtitan_trainer.py.
 """
 from __future__ import annotations
@@ -31,9 +32,13 @@ WIDTH, LAYERS, MICRO_BATCHES = 16, 4, 4
 def test_torch_stage_still_makes_the_calls_fsdp_ext_answers():
     """The calls fsdp_ext/api/pipelining.py answers, in the torch functions that make them
     (torch 2.14: torch/distributed/pipelining/stage.py, backward_maybe_with_nosync ~936,
-    perform_reduce_grad ~1271-1289, _shape_inference ~2257)."""
-    from torch.distributed.pipelining import stage
+    perform_reduce_grad ~1271-1289, _shape_inference ~2257), and the weight pass
+    runtime/unit/params.py recognises (_backward.py stage_backward_weight ~281-337: an
+    autograd.grad over the stage's parameters, its result added to their .grad)."""
+    from torch.distributed.pipelining import _backward, stage
     expected = {
+        _backward.stage_backward_weight: [
+            "torch.autograd.grad(", "weight.grad = dw", "weight.grad += dw"],
         stage._PipelineStageBase.backward_maybe_with_nosync: [
             "isinstance(self.submod, FSDPModule)", "set_is_last_backward(False)",
             "set_reshard_after_backward(False)", "set_requires_gradient_sync(False)"],
@@ -56,6 +61,11 @@ def test_torch_stage_still_makes_the_calls_fsdp_ext_answers():
     module = fsdp_ext.fully_shard(nn.Linear(4, 4))
     state = torch_fully_shard.state(module)
     assert state is not None and hasattr(state, "_root_post_backward_final_callback")
+    # a stage whose gradients never reached its units when the schedule reduces is refused
+    module(torch.ones(2, 4)).sum()
+    with pytest.raises(NotImplementedError, match=r"ran its micro-batches' backward without any "
+                                                  r"gradient reaching its units"):
+        state._root_post_backward_final_callback()
     assert [len(s._fsdp_param_groups) for s in state._state_ctx.all_states] == [1]
     # ... and where torch's replicate.state(module) looks, for a module fsdp_ext replicated.
     from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
@@ -74,10 +84,11 @@ class Block(nn.Module):
 
 def _stage_ids(schedule: str, pp_rank: int, pp_size: int) -> tuple[list[int], int]:
     """(this rank's stage indices, number of stages): one per rank, or two for the looped
-    schedules (Interleaved1F1B: rank r holds r and r + pp; ZBV's V: r and 2 pp - 1 - r)."""
+    schedules (Interleaved1F1B, InterleavedZeroBubble: rank r holds r and r + pp; the V-shaped
+    ZBVZeroBubble and DualPipeV: r and 2 pp - 1 - r)."""
     if schedule in ("1F1B", "GPipe"):
         return [pp_rank], pp_size
-    if schedule == "ZBVZeroBubble":
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
         return [pp_rank, 2 * pp_size - 1 - pp_rank], 2 * pp_size
     return [pp_rank, pp_rank + pp_size], 2 * pp_size
 
@@ -121,7 +132,7 @@ def train(fully_shard, schedule: str, steps: int = 3) -> dict:
         grads = {n: p.grad.full_tensor() for n, p in params}
         opt.step()
         opt.zero_grad()
-    return dict(losses=losses, grads=grads,
+    return dict(losses=losses, grads=grads, last=last,
                 params={n: p.full_tensor() for n, p in params},
                 placements={n: str(p.placements) for n, p in params})
 
@@ -147,23 +158,34 @@ def _replicating(replicate):
 
 
 def schedules_worker(rank: int, world_size: int) -> None:
-    import torch.distributed.fsdp as torch_fsdp
     from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
-    for schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
-        ours = train(fsdp_ext.fully_shard, schedule)
-        theirs = train(torch_fsdp.fully_shard, schedule)
-        assert theirs["grads"] and (theirs["losses"] or rank < 2), schedule
-        _same(f"rank {rank} {schedule}", ours, theirs)
+    _same_as_torch(rank, ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"))
     # each stage replicated over dp (torch's stage asks replicate.state for a ReplicateModule)
     ours = train(_replicating(fsdp_ext.replicate), "1F1B")
     theirs = train(_replicating(torch_replicate), "1F1B")
     assert set(theirs["placements"].values()) == {"(Replicate(),)"}
     _same(f"rank {rank} 1F1B replicated", ours, theirs)
-    with pytest.raises(NotImplementedError, match=r"split the backward into input and weight "
-                                                  r"passes .*ScheduleZBVZeroBubble"):
-        train(fsdp_ext.fully_shard, "ZBVZeroBubble", steps=1)
     dist.barrier()
+
+
+def _same_as_torch(rank: int, schedules) -> None:
+    import torch.distributed.fsdp as torch_fsdp
+    for schedule in schedules:
+        ours = train(fsdp_ext.fully_shard, schedule)
+        theirs = train(torch_fsdp.fully_shard, schedule)
+        assert theirs["grads"] and (theirs["losses"] or not theirs["last"]), schedule
+        _same(f"rank {rank} {schedule}", ours, theirs)
 
 
 def test_pipeline_schedules_match_torch_fsdp2_world_4():
     run_distributed(schedules_worker, 4, timeout_s=300.0)
+
+
+def _split_backward_worker(rank: int, world_size: int) -> None:
+    _same_as_torch(rank, ("InterleavedZeroBubble", "DualPipeV"))
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_split_backward_schedules_match_torch_fsdp2_world_4():
+    run_distributed(_split_backward_worker, 4, timeout_s=300.0)

@@ -12,7 +12,7 @@ fsdp_ext's (tests/helpers/titan_cpu.py: the swap and the CPU shims):
 - the same at world 4 with tensor parallelism 2, on its default backend and on full_dtensor;
 - the same at world 4 with context parallelism 2 on full_dtensor (two shard axes flattened);
 - the same with pipeline parallelism 2 at world 4 (1F1B with a checkpoint resumed across
-  implementations, Interleaved1F1B);
+  implementations, Interleaved1F1B, ZBVZeroBubble);
 - the same for its Qwen3 MoE (EP 1 at world 2 and 4; EP 2 at world 4, on its default spmd_types
   backend, with a checkpoint resumed across implementations, and on its partial_dtensor and
   full_dtensor ones);
@@ -226,19 +226,29 @@ def test_torchtitan_trainer_qwen3_moe_ep2_matches_torch_fsdp2(tmp_path, backend,
 @pytest.mark.parametrize("schedule,resume", [
     pytest.param("1F1B", True, marks=pytest.mark.essential),
     ("Interleaved1F1B", False),   # (the default tier's tests/api/test_pipelining.py runs it too)
+    pytest.param("ZBVZeroBubble", False, marks=pytest.mark.essential),
 ])
 def test_torchtitan_trainer_pipeline_parallel_matches_torch_fsdp2(tmp_path, schedule, resume):
     """World 4 as PP 2 x FSDP 2 (torchtitan's pipeline_llm: torch's PipelineStage and schedule
     drive each stage's FSDPModule, tests/api/test_pipelining.py): the gradient norms (global; the
     losses live on the last stage's ranks, rank 0 logs none) bitwise equal every step; under
     1F1B, fsdp_ext resumes torch's step-2 checkpoint with step 3 bitwise equal (both ways are
-    shown on the non-pipelined runs above). (ZBV: fsdp_ext refuses it with a clear error; torch's own run fails on CPU
-    under torchtitan's default selective activation checkpointing.)"""
+    shown on the non-pipelined runs above). ZBV (two stages per rank in a V, backward split into
+    input and weight passes, bf16 parameters: the weight passes' sums in bf16 as torch's stage
+    makes them) runs without activation checkpointing (torch's own run fails on CPU under
+    torchtitan's default selective checkpointing) and with the unchunked loss
+    (tests/helpers/titan_overrides.py `unchunked_loss`: under the chunked one torch's FSDP2
+    loses the final norm's gradient)."""
     assets = make_assets(str(tmp_path / "assets"))
     pp = ["--parallelism.pipeline_parallel_degree", "2",
           "--parallelism.pipeline_parallel_schedule", schedule]
+    last = []  # (a subcommand: after every option)
+    if schedule == "ZBVZeroBubble":
+        pp += ["--override.imports", "tests.helpers.titan_overrides.unchunked_loss"]
+        last = ["activation_checkpoint:none"]
     save = ["--checkpoint.enable", "--checkpoint.interval", "2"] if resume else []
-    runs = _both(tmp_path, assets, ["--training.steps", "3", *save], 3, world_size=4, base=SMALL + pp)
+    runs = _both(tmp_path, assets, ["--training.steps", "3", *save, *last], 3, world_size=4,
+                 base=SMALL + pp)
     assert len({grad_norm for *_, grad_norm in runs["torch"].values()}) == 3  # it trains
     if resume:
         _resume_across(tmp_path, assets, runs, 3, 2, directions=BOTH_WAYS[:1], world_size=4,

@@ -36,9 +36,12 @@ class BackwardUses:
         """A forward use installed views whose backward is `node`; `ran` fills as members run."""
         self._waiting.append((node, ran))
 
-    def arrived(self, node, grads: tuple) -> Arrived | None:
+    def arrived(self, node, grads: tuple, held: tuple | None = None) -> Arrived | None:
         """Use `node`'s gradients: what to reduce now (with the earlier uses' sum), or None when
-        a later use in this backward will bring the rest."""
+        a later use in this backward will bring the rest. `held`: gradients already summed in
+        the parameter dtype for this step (pipelining's weight passes), which these add to."""
+        if held is not None:
+            grads = tuple(add_grads(h, g) for h, g in zip(held, grads))
         ran = None
         for i, (waiting, members) in enumerate(self._waiting):
             if waiting is node:
@@ -47,7 +50,7 @@ class BackwardUses:
                 break
         got = Arrived(tuple(grads), ran)
         if self._sum is not None:
-            got = Arrived(tuple(_add(a, b) for a, b in zip(self._sum.grads, got.grads)),
+            got = Arrived(tuple(add_grads(a, b) for a, b in zip(self._sum.grads, got.grads)),
                           _union(self._sum.ran, got.ran))
             self._sum = None
         if any(torch._C._will_engine_execute_node(n) for n, _ in self._waiting):
@@ -55,13 +58,19 @@ class BackwardUses:
             return None
         return got
 
+    def will_run(self) -> bool:
+        """Whether a waiting use's backward runs in the backward under way."""
+        return any(torch._C._will_engine_execute_node(n) for n, _ in self._waiting)
+
     def clear(self) -> None:
         """A new step, or a backward that failed: nothing of the last one is waited for."""
         self._waiting.clear()
         self._sum = None
 
 
-def _add(earlier: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
+def add_grads(earlier: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Two uses' gradients of a parameter summed in its dtype, as autograd sums them (None: no
+    gradient)."""
     if earlier is None:
         return grad
     return earlier if grad is None else earlier + grad

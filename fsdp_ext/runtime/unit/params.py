@@ -13,34 +13,47 @@ the refill for an in-place edit of the tensors it saved.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from ..placement import dtensor_params
 from ..bucket import gather
-from .backward_uses import BackwardUses
+from .backward_uses import BackwardUses, add_grads
 from ..bucket.bucket import Bucket, set_module_param
+from ..bucket.grads import reduce_bucket
 from ..bucket.param_buckets import init_sharded_state
 from .states import GATHERED, Installed, ShardedState, StateError, move
 
 
 class _UnshardedViews(torch.autograd.Function):
     """Forward: the parameter views of the unit's trainable buckets. Backward: their gradients go
-    to the unit's gradient path; nothing flows back into the flat buffers."""
+    to the unit's gradient path; nothing flows back into the flat buffers. Its inputs are the
+    gathered buffers and the sharded parameters (`graph_params`), so that autograd's graph leads
+    from the forward to the parameters, as it does for a module's own."""
 
     @staticmethod
-    def forward(ctx, unit, *fulls: torch.Tensor):
-        ctx.unit = unit
+    def forward(ctx, unit, *inputs: torch.Tensor):
+        ctx.unit, ctx.n_inputs = unit, len(inputs)
+        ctx.params = inputs[len(unit.params.grad_indices):]
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not zeros
         views = []
-        for index, full in zip(unit.params.grad_indices, fulls):
+        for index, full in zip(unit.params.grad_indices, inputs):
             views.extend(unit.params.buckets[index].full_views(full))
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.post_backward(ctx.unit.params.uses.arrived(ctx, grads))
-        return (None,) * (1 + len(ctx.unit.params.grad_indices))
+        unit, nothing = ctx.unit, (None,) * (1 + ctx.n_inputs)
+        # torch's pipelining runs its backwards with gradient sync off: only then can this be its
+        # weight pass (the stack walk stays off the usual path)
+        if ctx.params and not unit.requires_gradient_sync and _in_weight_pass():
+            unit.params.hold_weight_pass(unit, grads)
+            return nothing[:len(nothing) - len(ctx.params)] + tuple(
+                torch.zeros_like(param) for param in ctx.params)
+        unit.post_backward(unit.params.uses.arrived(ctx, grads, unit.params.take_held()))
+        return nothing
 
 
 class UnitParams:
@@ -55,6 +68,9 @@ class UnitParams:
         self.in_flight: gather.InFlightGather | None = None
         self._no_grad_views: list[tuple[nn.Module, str, torch.Tensor]] | None = None
         self.uses = BackwardUses()       # the forward uses whose backward is still to come
+        # torch's pipelining weight passes since the unit's last backward: their gradients summed
+        # in the parameter dtype, as that pass sums them into .grad (see hold_weight_pass)
+        self.held: tuple | None = None
 
     def rename(self, name: str) -> None:
         self.name = name
@@ -129,7 +145,7 @@ class UnitParams:
         views: dict[int, torch.Tensor] = {}
         if self.grad_indices:
             applied = _UnshardedViews.apply(
-                unit, *(self.buckets[i].full for i in self.grad_indices))
+                unit, *(self.buckets[i].full for i in self.grad_indices), *self.graph_params())
             if applied:
                 self.uses.add(applied[0].grad_fn, unit.members_running())
             flat_views = iter(applied)
@@ -144,6 +160,44 @@ class UnitParams:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 _install(slot, _tp(views[id(slot)], slot))
+
+    def hold_weight_pass(self, unit, grads: tuple) -> None:
+        """A weight pass of torch's pipelining (ZBV, zero bubble, DualPipeV) brought `grads`.
+        torch's FSDP2 receives them as its stage writes them, `param.grad = dw`, then
+        `param.grad += dw` in the parameter dtype for later weight passes. Where it reduces in
+        another dtype (bf16 parameters, fp32 reduction) it moves that sum into its reduce-dtype
+        accumulator only at the unit's next backward (an input pass, or a whole backward, whose
+        gradients first add to it) or at the stage's reduction: held here until then. Where the
+        dtypes are the same, .grad is its accumulator: each pass goes in at once. Either way the
+        result is torch's bit for bit."""
+        self.held = grads if self.held is None else tuple(
+            add_grads(h, g) for h, g in zip(self.held, grads))
+        if unit.mp.reduce_dtype in (None, *(self.buckets[i].full.dtype for i in self.grad_indices)):
+            self.flush_held(unit)
+
+    def take_held(self) -> tuple | None:
+        held, self.held = self.held, None
+        return held
+
+    def flush_held(self, unit) -> None:
+        """The held weight-pass sum into `unit`'s gradient path, where torch's FSDP2 moves its
+        .grad: into the no_sync accumulators at an input pass of the unit (gradient sync off), or
+        reduced with them at the stage's reduction (on)."""
+        held = self.take_held()
+        if held is None:
+            return
+        grads = iter(held)
+        for index in self.grad_indices:
+            bucket = self.buckets[index]
+            reduce_bucket(unit, bucket, [next(grads) for _ in bucket.slots])
+
+    def graph_params(self) -> list[torch.Tensor]:
+        """The sharded parameters, as inputs of the views' autograd node: they receive no
+        gradient from it (the unit's gradient path fills their .grad), but autograd's graph then
+        leads from the forward to them, as a module's parameters do, for what walks it by
+        parameter (torch's pipelining splits backward into input and weight passes so)."""
+        return [slot.param for i in self.grad_indices for slot in self.buckets[i].slots
+                if slot.param.requires_grad]
 
     def no_grad_views(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """(module, attribute, view of the gathered buffer) for every parameter, made once under
@@ -183,6 +237,7 @@ class UnitParams:
         for bucket in self.buckets:
             bucket.drop_gradient_state()
         self.uses.clear()
+        self.held = None
 
     def params_replaced(self) -> None:
         """adopt_params gave the slots new parameter objects: install them."""
@@ -204,3 +259,20 @@ def _tp(view: torch.Tensor, slot) -> torch.Tensor:
 def _install(slot, tensor: torch.Tensor) -> None:
     for module, attr in slot.locations:
         set_module_param(module, attr, tensor)
+
+
+def _in_weight_pass() -> bool:
+    """Whether this backward runs inside torch's pipelining weight pass
+    (torch/distributed/pipelining/_backward.py `stage_backward_weight`, torch 2.14): an
+    `autograd.grad` over the stage's parameters, which refuses a parameter it gets no gradient
+    for. The sharded parameters get zeros there (the pass adds them to .grad, torch's stage
+    ~325-337; the gradient path's reduction adds the real gradient at the stage's
+    `perform_reduce_grad`); anywhere else None (the gradient path fills .grad)."""
+    from torch.distributed.pipelining import _backward
+    target = _backward.stage_backward_weight.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False

@@ -301,6 +301,8 @@ class Unit(UnitLifecycle, UnitSettings):
             RECORDER.add("backward.begin", self.name)
         move(self, "training_state", TrainingState.PRE_BACKWARD, backward_from(self.pass_open),
              "pre-backward")
+        if self.params.held is not None and not self.params.uses.will_run():  # an input pass
+            self.params.flush_held(self)  # (params.UnitParams.hold_weight_pass)
         if not self.unshard_in_backward:  # set_unshard_in_backward(False): no parameter needed
             schedule.prefetch_backward(self, "pre")
             begin_range("backward", self)
