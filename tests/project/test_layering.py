@@ -438,6 +438,8 @@ ALLOWED_KEPT = {
         "marks the gathered view it installs as a parameter (nn.Parameter's own mark)",
     ("runtime/unit/params.py", "ctx.unit"):
         "autograd's ctx: how a Function hands state to backward",
+    ("runtime/unit/params.py", "ctx.params"):
+        "autograd's ctx: how a Function hands state to backward",
     ("runtime/placement/model_parallel.py", "ctx.groups"):
         "autograd's ctx: how a Function hands state to backward",
     ("runtime/placement/dtensor_params.py", "dtensor._local_tensor"): "DTensor has no setter (as FSDP2 does)",

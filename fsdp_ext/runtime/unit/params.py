@@ -35,7 +35,7 @@ class _UnshardedViews(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit, *inputs: torch.Tensor):
-        ctx.unit, ctx.n_inputs = unit, len(inputs)
+        ctx.unit = unit
         ctx.params = inputs[len(unit.params.grad_indices):]
         ctx.set_materialize_grads(False)  # unused parameters arrive as None, not zeros
         views = []
@@ -45,7 +45,8 @@ class _UnshardedViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        unit, nothing = ctx.unit, (None,) * (1 + ctx.n_inputs)
+        unit = ctx.unit
+        nothing = (None,) * (1 + len(unit.params.grad_indices) + len(ctx.params))
         # torch's pipelining runs its backwards with gradient sync off: only then can this be its
         # weight pass (the stack walk stays off the usual path)
         if ctx.params and not unit.requires_gradient_sync and _in_weight_pass():
