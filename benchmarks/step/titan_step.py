@@ -10,7 +10,7 @@ reduce-scatters, fsdp_ext's bucket reductions). The report gives the medians ove
 ratio of fsdp_ext's step time to torch's, and whether the losses and grad norms were bitwise
 equal in every pair.
 
-    .venv/bin/python -m benchmarks.step.titan_step                      # default, PP, compile
+    .venv/bin/python -m benchmarks.step.titan_step                      # default, PP, ZBV, compile
     .venv/bin/python -m benchmarks.step.titan_step --configs pp_1f1b --runs 3
 """
 from __future__ import annotations
@@ -28,6 +28,14 @@ CONFIGS = {
     "default": (2, [], "FSDP 2 (chunked loss, selective AC)"),
     "pp_1f1b": (4, ["--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_schedule", "1F1B"], "PP 2 x FSDP 2, 1F1B"),
+    # ZBV: the unchunked loss (under the chunked one torch's FSDP2 loses the final norm's
+    # gradient) and no activation checkpointing (torch's run fails on CPU under the selective
+    # one); the subcommand last, after an option that ends --override.imports' list
+    "pp_zbv": (4, ["--override.imports", "tests.helpers.titan_overrides.unchunked_loss",
+                   "--parallelism.pipeline_parallel_degree", "2",
+                   "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                   "activation_checkpoint:none"],
+               "PP 2 x FSDP 2, ZBVZeroBubble (unchunked loss, no AC)"),
     "compile": (2, ["--compile.enable", "--compile.components", "model",
                     "--compile.backend", "aot_eager"],
                 "FSDP 2, per-block compile(fullgraph=True), aot_eager"),

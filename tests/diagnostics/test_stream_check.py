@@ -333,29 +333,34 @@ def _pipelined_unknown(original):
     return finish_reductions
 
 
-def pipeline_worker(rank: int, world_size: int, plant: bool) -> None:
-    """PP 2 x FSDP 2 under torch's Schedule1F1B (tests/api/test_pipelining.py), the side-stream path
+def pipeline_worker(rank: int, world_size: int, plant: bool, schedule: str = "1F1B") -> None:
+    """PP 2 x FSDP 2 under torch's Schedule1F1B, and ScheduleZBVZeroBubble (two stages per rank, the
+    weight passes' gradients held and summed: tests/api/test_pipelining.py), the side-stream path
     under the model: no stream-order problem; the runtime's host syncs only at ALLOWED sites, and
     from the second optimizer step on one per step on every rank, though the first stage runs
     the second micro-batch's forward before the first one's backward (its tags are read once, at
     the step's end). The first step makes one more there: the schedule learns it is pipelined at
     that step's end. `plant`: a schedule that forgets it must fail the count on the first
-    stage's ranks."""
+    stage's ranks. With two stages per rank (ZBV) the model counts 10-11 runtime syncs in 3 steps
+    on every rank (1F1B: at most 4), as it does under Interleaved1F1B, which has two stages per
+    rank and no weight pass: only the sites are checked there (the count is an open item)."""
     import fsdp_ext
     from fsdp_ext.runtime.unit.schedule import Schedule
     from ..api import test_pipelining
     steps = 3
     with _patched(Schedule, "finish_reductions", _pipelined_unknown if plant else None):
         with stream_check() as model:
-            test_pipelining.train(fsdp_ext.fully_shard, "1F1B", steps=steps)
-    per_step = test_pipelining.MICRO_BATCHES  # root iterations (micro-batches) per step
+            test_pipelining.train(fsdp_ext.fully_shard, schedule, steps=steps)
+    # root iterations per step: a micro-batch's forward, per stage this rank holds
+    per_step = test_pipelining.MICRO_BATCHES * len(test_pipelining._stage_ids(schedule, 0, 2)[0])
 
     def check():
         assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
         runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
         counts = [sum(1 for i in runtime if s * per_step < i <= (s + 1) * per_step)
                   for s in range(steps)]
-        assert counts[0] <= 2 and counts[1:] == [1] * (steps - 1), (rank, counts)
+        if schedule == "1F1B":
+            assert counts[0] <= 2 and counts[1:] == [1] * (steps - 1), (rank, counts)
     # (the last stage's ranks, 2 and 3, run each forward's backward before the next forward)
     _expect(plant and rank < 2, check)
     dist.barrier()
@@ -365,6 +370,12 @@ def pipeline_worker(rank: int, world_size: int, plant: bool) -> None:
 @pytest.mark.parametrize("plant", [False, True], ids=["as_is", "planted_sync"])
 def test_pipeline_syncs_once_per_step(plant):
     run_distributed(pipeline_worker, 4, plant, timeout_s=300.0)
+
+
+@pytest.mark.stream_check
+def test_split_backward_pipeline_syncs_once_per_step():
+    run_distributed(pipeline_worker, 4, False, "ZBVZeroBubble", timeout_s=300.0)
+
 
 
 def _every_group_sent(original):
