@@ -191,7 +191,6 @@ def apply_cpu_shims() -> None:
     _uneven_all_to_all_on_gloo()
     from . import dist_muon_cpu
     dist_muon_cpu.apply()
-    _no_sleep_at_the_end()
     _flex_attention_compiled_as_the_rest()
 
 
@@ -202,19 +201,6 @@ def _flex_attention_compiled_as_the_rest() -> None:
     backend instead: aot_eager traces the CPU attention above like the rest of the block."""
     import torchtitan.distributed.compile as tt_compile
     tt_compile._maybe_regional_inductor_backend = lambda model, backend: backend
-
-
-def _no_sleep_at_the_end() -> None:
-    """torchtitan's rank 0 sleeps 2 s after its last step "for other ranks to complete"; the test
-    waits for every rank's exit itself, and 22 launches of the trainer test each paid it. The
-    trainer module's `time` becomes one whose sleep returns at once (its clocks are time's)."""
-    import time
-    import types
-
-    import torchtitan.trainer as trainer
-    trainer.time = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time)
-                                            if not name.startswith("_")})
-    trainer.time.sleep = lambda seconds: None
 
 
 def count_gradient_collectives(path: str, impl: str) -> None:
