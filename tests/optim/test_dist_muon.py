@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -25,7 +24,8 @@ import fsdp_ext
 from examples.models import GPT, GPTConfig
 
 from ..helpers import dist_muon_cpu
-from ..helpers.dist import local_slice, run_distributed
+from ..helpers.dist import run_distributed
+from . import test_muon
 
 pytest.importorskip("torchtitan.distributed.flex_shard")
 EXACT = dict(atol=0, rtol=0)
@@ -79,21 +79,7 @@ def _built(shard, make_optimizers, mesh):
 
 
 def _steps(model, optimizers, rank: int, world: int, steps) -> list[torch.Tensor]:
-    losses = []
-    for step in steps:
-        idx = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(step))
-        batch = local_slice(idx, rank, world)
-        loss = model(batch, batch)
-        loss.backward()
-        losses.append(loss.detach().clone())
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-    return losses
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return test_muon._steps(model, optimizers, rank, world, steps, rows=8)
 
 
 def check_against_torch_fsdp2(rank, world, mesh):
@@ -102,8 +88,8 @@ def check_against_torch_fsdp2(rank, world, mesh):
     torch.testing.assert_close(torch.stack(_steps(ours, our_opts, rank, world, range(4))),
                                torch.stack(_steps(theirs, their_opts, rank, world, range(4))),
                                **EXACT)
-    for name, value in _full(theirs).items():
-        torch.testing.assert_close(_full(ours)[name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+    for name, value in test_muon._full_params(theirs).items():
+        torch.testing.assert_close(test_muon._full_params(ours)[name], value, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
 def check_against_fsdp_ext_muon(rank, world, mesh):
@@ -111,32 +97,14 @@ def check_against_fsdp_ext_muon(rank, world, mesh):
     own, own_opts = _built(fsdp_ext.fully_shard, _fsdp_ext_muon, mesh)
     _steps(dist_muon, dist_opts, rank, world, range(3))
     _steps(own, own_opts, rank, world, range(3))
-    theirs, mine = _full(dist_muon), _full(own)
+    theirs, mine = test_muon._full_params(dist_muon), test_muon._full_params(own)
     for name, value in theirs.items():
         torch.testing.assert_close(mine[name], value, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
 def check_checkpoint_into_torch_fsdp2(rank, world, mesh, directory):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    ours, our_opts = _built(fsdp_ext.fully_shard, _dist_muon, mesh)
-    _steps(ours, our_opts, rank, world, range(2))
-    saved = {f"opt{i}": get_state_dict(ours, opt)[1] for i, opt in enumerate(our_opts)}
-    saved["model"] = get_state_dict(ours, [])[0]
-    dcp.save(saved, checkpoint_id=directory)
-    theirs, their_opts = _built(torch_fully_shard, _dist_muon, mesh)
-    _steps(theirs, their_opts, rank, world, range(1))  # (makes the optimizer state)
-    loaded = {f"opt{i}": get_state_dict(theirs, opt)[1] for i, opt in enumerate(their_opts)}
-    loaded["model"] = get_state_dict(theirs, [])[0]
-    dcp.load(loaded, checkpoint_id=directory)
-    for i, opt in enumerate(their_opts):
-        set_state_dict(theirs, opt, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded[f"opt{i}"])
-    torch.testing.assert_close(torch.stack(_steps(ours, our_opts, rank, world, range(2, 4))),
-                               torch.stack(_steps(theirs, their_opts, rank, world, range(2, 4))),
-                               **EXACT)
-    for name, value in _full(theirs).items():
-        torch.testing.assert_close(_full(ours)[name], value, **EXACT)
+    test_muon.dcp_into_torch_fsdp2(lambda shard: _built(shard, _dist_muon, mesh), rank, world,
+                                   directory, rows=8)
 
 
 def _worker(rank, world, directory):

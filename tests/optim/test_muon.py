@@ -126,10 +126,12 @@ def _built(shard, muon_cls):
     return model, _optimizers(model, muon_cls)
 
 
-def _steps(model, optimizers, rank: int, world: int, steps, sharded: bool = True) -> list:
+def _steps(model, optimizers, rank: int, world: int, steps, sharded: bool = True,
+           rows: int = 4) -> list:
+    """`rows` sequences per global batch, split across the ranks when `sharded`."""
     losses = []
     for step in steps:
-        idx = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+        idx = torch.randint(0, 64, (rows, 8), generator=torch.Generator().manual_seed(step))
         batch = local_slice(idx, rank, world) if sharded else idx
         loss = model(batch, batch)
         loss.backward()
@@ -170,32 +172,40 @@ def check_sharded_against_torch_fsdp2_and_single_process(rank, world):
     torch.testing.assert_close(torch.stack(mean), torch.stack(losses), atol=1e-4, rtol=1e-4)
 
 
-def check_checkpoint_into_torch_fsdp2(rank, world, directory):
-    """Muon's momentum is a DTensor placed as its parameter: fsdp_ext's model and optimizers saved
-    with DCP (torch's get_state_dict) load into torch's fully_shard model and optimizers, and
-    both continue with the same losses and parameters, bit for bit."""
+def dcp_into_torch_fsdp2(build, rank, world, directory, rows: int = 4) -> list:
+    """`build(fully_shard)` -> (model, optimizers): fsdp_ext's pair after 2 steps saved with DCP
+    (torch's get_state_dict) loads into torch's fully_shard pair, and both continue 2 more steps
+    with the same losses and parameters, bit for bit. Returns torch's optimizers."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model, optimizers = _built(fsdp_ext.fully_shard, Muon)
-    _steps(model, optimizers, rank, world, range(2))
+    model, optimizers = build(fsdp_ext.fully_shard)
+    _steps(model, optimizers, rank, world, range(2), rows=rows)
     saved = {f"opt{i}": get_state_dict(model, opt)[1] for i, opt in enumerate(optimizers)}
     saved["model"] = get_state_dict(model, [])[0]
     dcp.save(saved, checkpoint_id=directory)
-    theirs, their_optimizers = _built(torch_fully_shard, Muon)
-    _steps(theirs, their_optimizers, rank, world, range(1))  # (makes the optimizer state)
+    theirs, their_optimizers = build(torch_fully_shard)
+    _steps(theirs, their_optimizers, rank, world, range(1), rows=rows)  # (the optimizer state)
     loaded = {f"opt{i}": get_state_dict(theirs, opt)[1] for i, opt in enumerate(their_optimizers)}
     loaded["model"] = get_state_dict(theirs, [])[0]
     dcp.load(loaded, checkpoint_id=directory)
     for i, opt in enumerate(their_optimizers):
         set_state_dict(theirs, opt, model_state_dict=loaded["model"],
                        optim_state_dict=loaded[f"opt{i}"])
-    momentum = next(iter(their_optimizers[0].state.values()))["momentum_buffer"]
-    assert isinstance(momentum, DTensor), type(momentum)
-    ours_after = _steps(model, optimizers, rank, world, range(2, 4))
-    theirs_after = _steps(theirs, their_optimizers, rank, world, range(2, 4))
+    ours_after = _steps(model, optimizers, rank, world, range(2, 4), rows=rows)
+    theirs_after = _steps(theirs, their_optimizers, rank, world, range(2, 4), rows=rows)
     torch.testing.assert_close(torch.stack(ours_after), torch.stack(theirs_after), **EXACT)
     for name, value in _full_params(theirs).items():
         torch.testing.assert_close(_full_params(model)[name], value, **EXACT)
+    return their_optimizers
+
+
+def check_checkpoint_into_torch_fsdp2(rank, world, directory):
+    """Muon's momentum is a DTensor placed as its parameter: fsdp_ext's model and optimizers saved
+    with DCP load into torch's fully_shard ones and continue bit for bit."""
+    their_optimizers = dcp_into_torch_fsdp2(lambda shard: _built(shard, Muon), rank, world,
+                                            directory)
+    momentum = next(iter(their_optimizers[0].state.values()))["momentum_buffer"]
+    assert isinstance(momentum, DTensor), type(momentum)
 
 
 class _Experts(nn.Module):
