@@ -81,6 +81,26 @@ def reset_peak() -> bool:
         return False
 
 
+def save_largest_peak_and_exit(build, steps: int, path: str) -> None:
+    """A memory worker's whole run, after its libraries are loaded: the peak RSS above this
+    process's baseline while `build()` makes a trainer and `steps` of its `step()` run; rank 0
+    saves the largest rank's to `path`, then the process group goes and the process ends."""
+    import torch.distributed as dist
+
+    from fsdp_ext import exit_without_finalization
+    reset_peak()
+    base = current_bytes()
+    trainer = build()
+    for _ in range(steps):
+        trainer.step()
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_bytes() - base)
+    if dist.get_rank() == 0:
+        torch.save(max(peaks), path)
+    dist.destroy_process_group()
+    exit_without_finalization()
+
+
 # ---- peak tensors --------------------------------------------------------------------------------
 
 MARK = "bench::window"

@@ -138,17 +138,8 @@ def memory_worker(rank, world, port, args, name, path):
     cfg, mesh = _setup(rank, world, port, args)
     import fsdp_ext  # noqa: F401  (both variants' libraries loaded before the baseline)
     import torch.distributed.fsdp  # noqa: F401
-    memory.reset_peak()
-    base = memory.current_bytes()
-    trainer = Trainer(name, cfg, mesh, args)
-    for _ in range(args.warmup + 2):
-        trainer.step()
-    peaks = [None] * world
-    dist.all_gather_object(peaks, memory.peak_bytes() - base)
-    if rank == 0:
-        torch.save(max(peaks), path)
-    dist.destroy_process_group()
-    exit_without_finalization()
+    memory.save_largest_peak_and_exit(lambda: Trainer(name, cfg, mesh, args), args.warmup + 2,
+                                      path)
 
 
 def timing_worker(rank, world, port, args, names, path):

@@ -239,17 +239,8 @@ def memory_worker(rank, world, port, args, kind, variant, path):
     import fsdp_ext  # noqa: F401  (every variant's libraries loaded before the baseline)
     import torch.distributed.fsdp  # noqa: F401
     import torchtitan.distributed.flex_shard  # noqa: F401
-    memory.reset_peak()
-    base = memory.current_bytes()
-    trainer = Trainer(variant, kind, mesh, args)
-    for _ in range(args.warmup + 2):
-        trainer.step()
-    peaks = [None] * world
-    dist.all_gather_object(peaks, memory.peak_bytes() - base)
-    if rank == 0:
-        torch.save(max(peaks), path)
-    dist.destroy_process_group()
-    exit_without_finalization()
+    memory.save_largest_peak_and_exit(lambda: Trainer(variant, kind, mesh, args),
+                                      args.warmup + 2, path)
 
 
 def timing_worker(rank, world, port, args, kind, path):
