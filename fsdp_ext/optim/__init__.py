@@ -2,8 +2,9 @@
 
 Owns: `Muon` (muon.py): torch.optim.Muon's arguments and math for parameters of any placement a
 sharded model gives them (plain tensors, DTensors on data-parallel meshes, expert stacks, blocks
-of rows), each matrix orthogonalised whole; to_owners.py, the split matrices' exchange: each to
-one owner rank (balanced) and its parts back.
+of rows), each matrix orthogonalised whole; newton_schulz.py, the iteration over every matrix a
+rank orthogonalises in a step (one at a time as torch's Muon, or batched by shape); to_owners.py,
+the split matrices' exchange: each to one owner rank (balanced) and its parts back.
 
 May import: runtime (what a parameter's DTensor placement means), torch.
 """

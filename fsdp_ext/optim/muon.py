@@ -23,28 +23,31 @@ Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per para
                                          Shard(0) rows are whole blocks (R divides the chunk),
                                          each rank steps its own blocks with no collective
 
+The matrices orthogonalised on a rank go through newton_schulz.py: one at a time, torch's
+iteration and bits (the default), or batched by shape under the group option `batch_same_shape`.
+
 The momentum buffer lives like the parameter (a DTensor with its placements: DCP saves and
 reshards it as it does the parameter). A split matrix crosses its shard group twice per step
 (to its owner, and its parts back); placements that keep whole matrices or blocks on each rank
 need no collective at all (docs/api.md, "Muon").
 
 On the GPU path: no host sync (the exchanges are collectives the compute stream waits for; the
-learning-rate adjustment is computed from shapes on the host; a tensor `lr` is read on the host,
-as torch's Muon reads it).
+learning-rate adjustment is computed from shapes on the host; a tensor `lr` is read on the host
+once per parameter group and step, as torch's Muon reads it).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import (_compute_local_shape_and_global_offset,
-                                             compute_local_shape_and_global_offset)
-# torch's own Newton-Schulz iteration and learning-rate adjustment: the same math, bit for bit
+# torch's own learning-rate adjustment: the same math, bit for bit
 # (tests/optim/test_muon.py fails if torch changes what they compute)
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr
 
-from .to_owners import orthogonalised_parts, shard_axis
+from .newton_schulz import orthogonalised
+from .to_owners import orthogonalised_parts, piece_of, shard_axis
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
@@ -58,7 +61,7 @@ class Muon(torch.optim.Optimizer):
                  momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 block_rows: int | None = None):
+                 block_rows: int | None = None, batch_same_shape: bool = False):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         for name, value in (("Learning rate", lr), ("momentum", momentum),
@@ -71,7 +74,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                       nesterov=nesterov, ns_coefficients=ns_coefficients,
                                       eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                                      block_rows=block_rows))
+                                      block_rows=block_rows,
+                                      batch_same_shape=batch_same_shape))
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 _check(param, _name(group, index), group["block_rows"])
@@ -83,6 +87,10 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            lr = group["lr"]
+            lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar)
+            batch = group.get("batch_same_shape")
+            here = []  # (param, what is orthogonalised here, how its result is placed)
             split = []  # (param, its Nesterov update): orthogonalised on their owners
             for param in group["params"]:
                 if param.grad is None:
@@ -93,20 +101,30 @@ class Muon(torch.optim.Optimizer):
                         param.grad, memory_format=torch.preserve_format)
                 update = _nesterov_update(param.grad, state["momentum_buffer"], group)
                 if not isinstance(param, DTensor):
-                    _apply(param, _orthogonalised(update, group), group)
+                    here.append((param, update, _as_is))
                 elif _whole_here(param, group["block_rows"]):
-                    _apply(param, _as_placed(_orthogonalised(update.to_local(), group), param),
-                           group)
+                    here.append((param, update.to_local(), _as_placed))
                 elif shard_axis(param) is not None:
                     split.append((param, update))
                 else:  # split over several mesh dims: gathered whole on every rank
-                    _apply(param, _local_part(_orthogonalised(update.full_tensor(), group),
-                                              param), group)
+                    here.append((param, update.full_tensor(), _local_part))
+                if not batch:  # one at a time, as torch's Muon: one update alive at once
+                    _step_here(here, group, lr)
+                    here = []
+            _step_here(here, group, lr)
             parts = orthogonalised_parts([u for _, u in split],
-                                         lambda whole: _orthogonalised(whole, group))
+                                         lambda wholes: orthogonalised(wholes, group))
             for (param, _), part in zip(split, parts):
-                _apply(param, _as_placed(part, param), group)
+                _apply(param, _as_placed(part, param), group, lr)
         return loss
+
+
+def _step_here(here, group, lr) -> None:
+    """Steps the parameters whose matrices are orthogonalised on this rank (batched by shape
+    under `batch_same_shape`)."""
+    results = orthogonalised([tensor for _, tensor, _ in here], group)
+    for (param, _, place), ortho in zip(here, results):
+        _apply(param, place(ortho, param), group, lr)
 
 
 def _nesterov_update(grad, buf, group):
@@ -115,27 +133,13 @@ def _nesterov_update(grad, buf, group):
     return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
 
-def _apply(param, ortho, group) -> None:
+def _apply(param, ortho, group, lr: float) -> None:
     """Decoupled weight decay and the orthogonalised step, with torch's lr adjustment for the
     shape of one matrix (one block under `block_rows`)."""
-    lr, rows = group["lr"], group["block_rows"]
-    lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar; a host value)
+    rows = group["block_rows"]
     shape = (rows, param.shape[-1]) if rows else param.shape[-2:]
     param.mul_(1 - lr * group["weight_decay"])
     param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
-
-
-def _orthogonalised(whole: torch.Tensor, group) -> torch.Tensor:
-    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-    rows = group["block_rows"]
-    if rows:  # [M * R, C] as M matrices [R, C]
-        blocks = whole.reshape(-1, rows, whole.shape[-1])
-        return _orthogonalised(blocks, {**group, "block_rows": None}).reshape(whole.shape)
-    if whole.ndim == 2:
-        return _zeropower_via_newtonschulz(whole, *args)
-    if whole.shape[0] == 0:  # a rank holding none of the stack's experts
-        return whole.clone()
-    return torch.stack([_zeropower_via_newtonschulz(m, *args) for m in whole.unbind(0)])
 
 
 def _whole_here(param: DTensor, rows: int | None) -> bool:
@@ -143,24 +147,33 @@ def _whole_here(param: DTensor, rows: int | None) -> bool:
     the collective it spares must be): replicated, an expert stack split along its expert dim
     (dim 0) only, or blocks of `rows` rows split along dim 0 where every rank's first row and
     row count are multiples of `rows`."""
-    dims = {p.dim for p in param.placements if isinstance(p, Shard)}
-    if not dims or (param.ndim == 3 and dims == {0}):
+    return _whole_everywhere(tuple(param.shape), tuple(param.device_mesh.shape),
+                             tuple(param.placements), rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _whole_everywhere(shape, mesh_shape, placements, rows) -> bool:
+    """_whole_here from shapes alone (worked out once per kind of parameter, not every step)."""
+    dims = {p.dim for p in placements if isinstance(p, Shard)}
+    if not dims or (len(shape) == 3 and dims == {0}):
         return True
     if not rows or dims != {0}:
         return False
-    mesh_shape = tuple(param.device_mesh.shape)
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
-        (count, _), (first, _) = _compute_local_shape_and_global_offset(
-            param.shape, mesh_shape, list(coordinate), param.placements)
+        (count, *_), (first, *_) = piece_of(shape, mesh_shape, coordinate, placements)
         if count % rows or first % rows:
             return False
     return True
 
 
+def _as_is(ortho: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    return ortho
+
+
 def _local_part(ortho: torch.Tensor, param: DTensor) -> DTensor:
     """This rank's part of the whole update, as a DTensor placed as `param` is."""
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                          param.placements)
+    shape, offset = piece_of(tuple(param.shape), tuple(param.device_mesh.shape),
+                             param.device_mesh.get_coordinate(), param.placements)
     return _as_placed(ortho[tuple(slice(o, o + s) for o, s in zip(offset, shape))], param)
 
 

@@ -15,13 +15,13 @@ torch.distributed's, waited for by the compute stream; no host sync.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from ..runtime.placement.owners import assign_owners
 
@@ -36,8 +36,9 @@ def shard_axis(param: DTensor) -> int | None:
 
 
 def orthogonalised_parts(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
-    """This rank's part of `orthogonalise(whole)` for each update (DTensors split over one mesh
-    axis), each whole matrix orthogonalised on its owner only."""
+    """This rank's part of each update's orthogonalised whole (DTensors split over one mesh axis),
+    each whole matrix orthogonalised on its owner only: `orthogonalise` takes the list of whole
+    matrices a rank owns and returns their results in that order."""
     batches = defaultdict(list)
     for index, update in enumerate(updates):
         axis = shard_axis(update)
@@ -50,25 +51,54 @@ def orthogonalised_parts(updates: list[DTensor], orthogonalise) -> list[torch.Te
     return parts
 
 
-def _pieces(update: DTensor, axis: int, world: int) -> list[tuple[tuple[int, ...], int]]:
+def _pieces(update: DTensor, axis: int, world: int) -> tuple[tuple[tuple[int, ...], int], ...]:
     """(shape, first index along the shard dim) of each shard rank's piece of `update` along mesh
     dim `axis` (its coordinates on the other, replicating, dims do not matter)."""
-    mesh_shape, dim = tuple(update.device_mesh.shape), update.placements[axis].dim
+    return _pieces_of(tuple(update.shape), tuple(update.device_mesh.shape),
+                      tuple(update.placements), axis, world)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces_of(shape, mesh_shape, placements, axis: int, world: int):
+    """_pieces from shapes alone (worked out once per kind of matrix, not every step)."""
+    dim = placements[axis].dim
     pieces = []
     for index in range(world):
         coordinate = [0] * len(mesh_shape)
         coordinate[axis] = index
-        shape, offset = _compute_local_shape_and_global_offset(
-            update.shape, mesh_shape, coordinate, update.placements)
-        pieces.append((tuple(shape), offset[dim]))
-    return pieces
+        piece_shape, offset = piece_of(shape, mesh_shape, coordinate, placements)
+        pieces.append((piece_shape, offset[dim]))
+    return tuple(pieces)
+
+
+def piece_of(shape, mesh_shape, coordinate, placements) -> tuple[tuple, tuple]:
+    """(shape, offset) of the part of a tensor of `shape` that the rank at `coordinate` holds
+    under Shard/Replicate `placements`: torch.chunk's split (ceil(n / W) per rank, the last ones
+    short or empty), mesh dims applied in order, as DTensor places it. Worked out in Python
+    integers: torch's own helper builds index tensors and reads them back, a host read per call
+    on the device it runs on."""
+    size, offset = list(shape), [0] * len(shape)
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            whole, dim = size[placement.dim], placement.dim
+            chunk = -(-whole // mesh_shape[axis])
+            start = min(coordinate[axis] * chunk, whole)
+            size[dim] = min(whole, start + chunk) - start
+            offset[dim] += start
+    return tuple(size), tuple(offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _owners(sizes: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """The owner of each matrix of a batch (the same batch every step: planned once)."""
+    return tuple(assign_owners(list(sizes), world))
 
 
 def _exchange(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
     mesh, axis = updates[0].device_mesh, shard_axis(updates[0])
     group, world = mesh.get_group(axis), mesh.size(axis)
     me = mesh.get_local_rank(axis)
-    owners = assign_owners([u.numel() for u in updates], world)
+    owners = _owners(tuple(u.numel() for u in updates), world)
     pieces = [_pieces(u, axis, world) for u in updates]
     counts = [[math.prod(shape) for shape, _ in p] for p in pieces]
     dims = [u.placements[axis].dim for u in updates]
@@ -85,9 +115,9 @@ def _exchange(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
     # torch's Newton-Schulz: exact, and half of fp32's bytes)
     from_source = [iter(block.split([counts[i][s] for i in owned[me]]))
                    for s, block in enumerate(received.split(got))]
-    results = {i: orthogonalise(torch.cat([next(from_source[s]).view(pieces[i][s][0])
-                                           for s in range(world)], dim=dims[i]))
-               for i in owned[me]}
+    wholes = [torch.cat([next(from_source[s]).view(pieces[i][s][0]) for s in range(world)],
+                        dim=dims[i]) for i in owned[me]]
+    results = dict(zip(owned[me], orthogonalise(wholes)))
     dtype = RESULT_DTYPE
     back = _cat([results[i].narrow(dims[i], pieces[i][s][1], pieces[i][s][0][dims[i]])
                  .reshape(-1) for s in range(world) for i in owned[me]], dtype, send.device)

@@ -14,7 +14,8 @@ checked with it on CPU.
 3. The runtime, parity and training-loop scenarios run under the model (marked `stream_check`,
    `make stream-check`): every sharding strategy, reshard_after_forward True/False/int, prefetch
    depths, no_sync accumulation, CPU offload, HSDP, mixed precision, activation checkpointing,
-   tied weights, unshard(async_op=True), clip every step, FSDP x TP: no report, the usual results,
+   tied weights, unshard(async_op=True), clip every step, FSDP x TP, fsdp_ext.optim.Muon's step
+   (no host sync of its own): no report, the usual results,
    and no host sync in the runtime's steady-state step beyond host_syncs.ALLOWED (the table goes
    to out/stream-check/, which `make stream-check` prints).
 """
@@ -438,6 +439,55 @@ def chunked_loss_worker(rank: int, world_size: int, plant: bool) -> None:
 @pytest.mark.parametrize("plant", [False, True], ids=["as_is", "planted_zeros_tested"])
 def test_chunked_loss_syncs_once_per_step(plant):
     run_distributed(chunked_loss_worker, 2, plant)
+
+
+def _muon_reads_each_update(original):
+    def apply(param, ortho, group, lr):
+        float(ortho.abs().max())  # planted: a host read per parameter in the optimizer step
+        return original(param, ortho, group, lr)
+    return apply
+
+
+def muon_worker(rank: int, world_size: int, plant: bool) -> None:
+    """fsdp_ext.optim.Muon on fsdp_ext's shards (tests/optim/test_dist_muon.py's split: qkv per
+    head, whole blocks on each rank, batched by shape; the other matrices each to an owner rank
+    and back, two all-to-alls), AdamW for the rest, under the model: no stream-order problem;
+    the runtime's host syncs at ALLOWED sites, one per step from the second on; and none at all
+    from the Muon step (split sizes and owners come from shapes on the host). `plant`: a host
+    read of each parameter's update in the step must fail the last."""
+    import fsdp_ext
+    from fsdp_ext.optim import muon
+    from ..optim import test_dist_muon, test_muon
+    steps = 4
+    with _patched(muon, "_apply", _muon_reads_each_update if plant else None), \
+            stream_check() as model:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+        net, optimizers = test_dist_muon._built(
+            fsdp_ext.fully_shard, lambda m, mesh: test_dist_muon._fsdp_ext_muon(m, mesh, True),
+            mesh)
+        muon_step, in_muon = optimizers[0].step, []  # the host syncs each Muon step made
+
+        def step():
+            first = len(model.syncs.records)
+            muon_step()
+            in_muon.extend(model.syncs.records[first:])
+        optimizers[0].step = step
+        test_muon._steps(net, optimizers, rank, world_size, range(steps), rows=8)
+
+    def check():
+        assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
+        runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
+        counts = [runtime.count(s) for s in range(1, steps + 1)]
+        assert counts[1:] == [1] * (steps - 1), (rank, counts, model.syncs.records)
+        assert not in_muon, in_muon
+    _expect(plant, check)
+    dist.barrier()
+
+
+@pytest.mark.stream_check
+@pytest.mark.parametrize("plant", [False, True], ids=["as_is", "planted_read"])
+def test_muon_step_makes_no_host_sync(plant):
+    run_distributed(muon_worker, 2, plant)
 
 
 # ---- 2. planted defects in the runtime ----------------------------------------------------------

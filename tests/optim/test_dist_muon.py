@@ -6,9 +6,10 @@ parameters are torch's Shard(0) DTensors. Run on CPU ranks through tests/helpers
 (its streams and CUDA check answered; its math and collectives untouched):
 
 - fsdp_ext and torch's FSDP2 on the same script give the same losses and parameters bit for bit;
-- fsdp_ext's own Muon (each matrix gathered whole on every rank) gives DistMuon's parameters
-  within a bf16 rounding of Newton-Schulz's output (DistMuon batches same-shape matrices into one
-  bf16 kernel and adds its update in bf16);
+- fsdp_ext's own Muon on the same split (qkv per head with `block_rows`, the other matrices
+  each to one owner) gives DistMuon's parameters bit for bit, with its heads orthogonalised one
+  by one and batched by shape across the layers (`batch_same_shape`: DistMuon batches each
+  parameter's blocks, in the same batched kernels);
 - DistMuon's state saved with DCP from fsdp_ext's model loads into torch's FSDP2 model and the
   two continue bit for bit.
 """
@@ -59,13 +60,14 @@ def _dist_muon(model, mesh):
     return [muon, torch.optim.AdamW(others, lr=1e-3)]
 
 
-def _fsdp_ext_muon(model, mesh):
+def _fsdp_ext_muon(model, mesh, batch_heads: bool = False):
     """fsdp_ext's Muon on the same split: qkv per head (block_rows), the rest whole."""
     matrices = [(n, p) for n, p in model.named_parameters() if _is_matrix(n, p)]
     heads = [(n, p) for n, p in matrices if ".qkv." in n]
     whole = [(n, p) for n, p in matrices if ".qkv." not in n]
     others = [p for n, p in model.named_parameters() if not _is_matrix(n, p)]
-    return [fsdp_ext.optim.Muon([{"params": heads, "block_rows": HEAD_DIM}, {"params": whole}],
+    return [fsdp_ext.optim.Muon([{"params": heads, "block_rows": HEAD_DIM,
+                                  "batch_same_shape": batch_heads}, {"params": whole}],
                                 lr=0.02, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(others, lr=1e-3)]
 
@@ -94,12 +96,16 @@ def check_against_torch_fsdp2(rank, world, mesh):
 
 def check_against_fsdp_ext_muon(rank, world, mesh):
     dist_muon, dist_opts = _built(fsdp_ext.fully_shard, _dist_muon, mesh)
-    own, own_opts = _built(fsdp_ext.fully_shard, _fsdp_ext_muon, mesh)
     _steps(dist_muon, dist_opts, rank, world, range(3))
-    _steps(own, own_opts, rank, world, range(3))
-    theirs, mine = test_muon._full_params(dist_muon), test_muon._full_params(own)
-    for name, value in theirs.items():
-        torch.testing.assert_close(mine[name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+    theirs = test_muon._full_params(dist_muon)
+    for batch_heads in (False, True):
+        own, own_opts = _built(fsdp_ext.fully_shard,
+                               lambda m, mesh: _fsdp_ext_muon(m, mesh, batch_heads), mesh)
+        _steps(own, own_opts, rank, world, range(3))
+        mine = test_muon._full_params(own)
+        for name, value in theirs.items():
+            torch.testing.assert_close(mine[name], value, **EXACT,
+                                       msg=lambda m: f"{name} (batched: {batch_heads}): {m}")
 
 
 def check_checkpoint_into_torch_fsdp2(rank, world, mesh, directory):

@@ -87,6 +87,72 @@ def test_blocks_of_rows_are_each_blocks_matrix():
     torch.testing.assert_close(heads.detach(), torch.cat([p.detach() for p in blocks]), **EXACT)
 
 
+def _same_shape_layers() -> nn.Module:
+    """Layers of repeated shapes (three [16, 16], two [24, 16] and their transposes' kin)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False),
+                         nn.Linear(16, 24, bias=False), nn.Tanh(), nn.Linear(24, 16, bias=False),
+                         nn.Linear(16, 16, bias=False), nn.Linear(16, 24, bias=False))
+
+
+def test_batched_newton_schulz_is_torchs_iteration_per_matrix(monkeypatch):
+    """batch_same_shape=True: the matrices of one shape iterated together give torch's per-matrix
+    iteration to bf16 rounding (batched and single products may round the last bit apart), and
+    the same bits however the batches are cut (BATCH_ELEMENTS), tall matrices included."""
+    from fsdp_ext.optim import newton_schulz
+    group = dict(ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,
+                 block_rows=None, batch_same_shape=True)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen) for shape in
+               [(16, 32), (16, 32), (40, 8), (3, 16, 32), (40, 8), (0, 16, 32), (5, 7)]]
+    batched = newton_schulz.orthogonalised(tensors, group)
+    one_by_one = newton_schulz.orthogonalised(tensors, {**group, "batch_same_shape": False})
+    for got, want, given in zip(batched, one_by_one, tensors):
+        assert got.shape == given.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(newton_schulz, "BATCH_ELEMENTS", 16 * 32 * 2)  # two [16, 32] a batch
+    for got, want in zip(newton_schulz.orthogonalised(tensors, group), batched):
+        torch.testing.assert_close(got, want, **EXACT)
+    with pytest.raises(ValueError, match="ns_steps must be below 100"):
+        newton_schulz.orthogonalised(tensors, {**group, "ns_steps": 100})
+
+
+def test_batched_muon_trains_as_torch_muon():
+    """A model whose layers share shapes, stepped with batch_same_shape=True: torch.optim.Muon's
+    parameters to bf16 rounding of the orthogonalised updates."""
+    models = [_same_shape_layers() for _ in range(2)]
+    ours = Muon(models[0].parameters(), lr=0.02, batch_same_shape=True)
+    theirs = torch.optim.Muon(models[1].parameters(), lr=0.02)
+    for step in range(3):
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip(models, (ours, theirs)):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for mine, torchs in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(mine, torchs, atol=1e-3, rtol=0)
+
+
+def test_pieces_are_where_dtensor_places_them():
+    """to_owners.piece_of (Python integers, no host read) against torch's own placement helper:
+    every coordinate of 1-D and 2-D meshes, Shard on one or both axes (the same dim twice
+    included), uneven and empty pieces."""
+    import itertools
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from fsdp_ext.optim.to_owners import piece_of
+    cases = [((5, 3), (4,), (Shard(0),)), ((7, 6), (3,), (Shard(1),)), ((2, 9), (4,), (Shard(0),)),
+             ((13, 4), (2, 3), (Replicate(), Shard(0))), ((13, 4), (2, 3), (Shard(0), Shard(0))),
+             ((6, 10), (2, 4), (Shard(0), Shard(1))), ((3, 5, 7), (2, 2), (Shard(0), Shard(2))),
+             ((0, 4), (2,), (Shard(0),))]
+    for shape, mesh_shape, placements in cases:
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+            want = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate),
+                                                          placements)
+            assert piece_of(shape, mesh_shape, coordinate, placements) == want, \
+                (shape, mesh_shape, placements, coordinate)
+
+
 def test_refusals_name_the_parameter():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"parameter '0\.bias' has shape \[4\].*AdamW"):
