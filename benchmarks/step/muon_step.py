@@ -131,7 +131,7 @@ class Counts:
         import torch.distributed.fsdp._fully_shard._fsdp_param_group as torch_group
         from torchtitan.distributed.flex_shard import dist_muon
 
-        import fsdp_ext.optim.muon as our_muon
+        import fsdp_ext.optim.newton_schulz as our_muon
         from fsdp_ext.runtime.comm import collectives as comm
         issue, reduce = comm.issue_all_gather, comm.reduce_scatter_groups
         torch_gather, torch_reduce = torch_group.foreach_all_gather, dist.reduce_scatter_single
@@ -182,7 +182,9 @@ class Counts:
                 self.add(self.flops, batch * steps * (4 * m * m * n + 2 * m ** 3))
                 return original(update, *a, **k)
             return ns
+        # fsdp_ext's Muon: torch's iteration per matrix, or its own batched one
         our_muon._zeropower_via_newtonschulz = counted_ns(our_muon._zeropower_via_newtonschulz)
+        our_muon._newton_schulz_batch = counted_ns(our_muon._newton_schulz_batch)
         dist_muon._zeropower_via_newtonschulz = counted_ns(dist_muon._zeropower_via_newtonschulz)
 
 

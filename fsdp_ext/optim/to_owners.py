@@ -4,10 +4,13 @@ assignment of runtime/placement/owners.py, largest first). One all-to-all brings
 pieces of its matrices, the owner orthogonalises them whole, and a second all-to-all takes each
 rank's part of the results back: each matrix crosses the shard group twice, as torchtitan's
 DistMuon moves it, instead of being gathered on every rank and orthogonalised there W times.
+Both ways carry bfloat16, the dtype Newton-Schulz works in: its first step casts the whole
+matrix to it (an elementwise cast, so casting each piece before it is sent gives the same bits)
+and it returns its result in it; DistMuon carries fp32 both ways, four times these bytes.
 
 A batch is the split matrices of one parameter group on one mesh with one shard axis (Shard(dim)
 on that axis, Replicate on the others: the replicas of HSDP exchange alike and compute the same
-result) and one dtype; the pieces of a matrix are concatenated along its shard dim in rank
+result); the pieces of a matrix are concatenated along its shard dim in rank
 order, which is what `full_tensor()` would give, bit for bit.
 
 On the GPU path: the split sizes are computed from shapes on the host; the collectives are
@@ -25,8 +28,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime.placement.owners import assign_owners
 
-# what torch's Newton-Schulz iteration returns (torch/optim/_muon.py works in bfloat16)
-RESULT_DTYPE = torch.bfloat16
+# what torch's Newton-Schulz iteration works in: it casts its input to it first and returns it
+# (torch/optim/_muon.py; tests/optim/test_muon.py fails if that changes)
+NS_DTYPE = torch.bfloat16
 
 
 def shard_axis(param: DTensor) -> int | None:
@@ -42,7 +46,7 @@ def orthogonalised_parts(updates: list[DTensor], orthogonalise) -> list[torch.Te
     batches = defaultdict(list)
     for index, update in enumerate(updates):
         axis = shard_axis(update)
-        batches[(id(update.device_mesh), axis, update.dtype)].append(index)
+        batches[(id(update.device_mesh), axis)].append(index)
     parts: list[torch.Tensor | None] = [None] * len(updates)
     for indices in batches.values():
         done = _exchange([updates[i] for i in indices], orthogonalise)
@@ -107,20 +111,18 @@ def _exchange(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
     sent = [sum(counts[i][me] for i in owned[d]) for d in range(world)]
     got = [sum(counts[i][s] for i in owned[me]) for s in range(world)]
     send = _cat([updates[i].to_local().reshape(-1) for d in range(world) for i in owned[d]],
-                updates[0].dtype, updates[0].device)
+                NS_DTYPE, updates[0].device)
     received = send.new_empty(sum(got))
     dist.all_to_all_single(received, send, got, sent, group=group)
     # the owner's matrices whole (source s's block holds its piece of each, in matrix order),
-    # orthogonalised; back to rank s goes its piece of each, in the result's dtype (bf16 for
-    # torch's Newton-Schulz: exact, and half of fp32's bytes)
+    # orthogonalised; back to rank s goes its piece of each
     from_source = [iter(block.split([counts[i][s] for i in owned[me]]))
                    for s, block in enumerate(received.split(got))]
     wholes = [torch.cat([next(from_source[s]).view(pieces[i][s][0]) for s in range(world)],
                         dim=dims[i]) for i in owned[me]]
     results = dict(zip(owned[me], orthogonalise(wholes)))
-    dtype = RESULT_DTYPE
     back = _cat([results[i].narrow(dims[i], pieces[i][s][1], pieces[i][s][0][dims[i]])
-                 .reshape(-1) for s in range(world) for i in owned[me]], dtype, send.device)
+                 .reshape(-1) for s in range(world) for i in owned[me]], NS_DTYPE, send.device)
     mine = back.new_empty(sum(sent))
     dist.all_to_all_single(mine, back, sent, got, group=group)
     from_owner = [iter(block.split([counts[i][me] for i in owned[d]]))

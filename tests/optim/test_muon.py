@@ -133,6 +133,21 @@ def test_batched_muon_trains_as_torch_muon():
         torch.testing.assert_close(mine, torchs, atol=1e-3, rtol=0)
 
 
+def test_newton_schulz_needs_only_the_bf16_of_its_input():
+    """What lets the owner exchange send bf16 pieces (to_owners.NS_DTYPE): torch's iteration
+    casts its input to bf16 first and returns bf16, so an fp32 matrix and its bf16 cast give
+    the same bits. Fails the day torch's iteration works in another precision."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    from fsdp_ext.optim.to_owners import NS_DTYPE
+    args = ((3.4445, -4.775, 2.0315), 5, 1e-7)
+    for shape in [(12, 20), (20, 12)]:
+        whole = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        result = _zeropower_via_newtonschulz(whole, *args)
+        assert result.dtype == NS_DTYPE
+        torch.testing.assert_close(_zeropower_via_newtonschulz(whole.to(NS_DTYPE), *args),
+                                   result, **EXACT)
+
+
 def test_pieces_are_where_dtensor_places_them():
     """to_owners.piece_of (Python integers, no host read) against torch's own placement helper:
     every coordinate of 1-D and 2-D meshes, Shard on one or both axes (the same dim twice

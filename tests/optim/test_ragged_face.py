@@ -5,14 +5,23 @@ matrix, rank 1 none) is written here as a `Shard` subclass that carries the per-
 and gathers accordingly. These checks pass while torch rebuilds placements as plain `Shard` /
 `torch.chunk` ones, and fail the day it keeps such a placement: then that storage becomes
 buildable. (Gathering the mislabelled result is not tried: torch.chunk's sizes disagree between
-the ranks, and the all-gather waits for ever.)"""
+the ranks, and the all-gather waits for ever.)
+
+The other face DTensor offers, a DTensor on a one-rank mesh holding the owner only (ranks outside
+a mesh hold an empty local tensor, and torch's ops skip them), survives elementwise ops and the
+optimizers' foreach kernels, but not what every trainer calls: the total gradient norm of
+`clip_grad_norm_` stacks per-parameter norms from different meshes and is refused, and
+`full_tensor()` gives the ranks outside the mesh an empty tensor (a full state dict written by
+rank 0 would lack every matrix rank 0 does not own). Checked below; fails the day torch takes
+norms across meshes."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..helpers.dist import run_distributed
@@ -63,7 +72,23 @@ def _worker(rank, world):
     shape, offset = compute_local_shape_and_global_offset(full.shape, mesh,
                                                           (ragged * 2).placements)
     assert (shape[0], offset[0]) == (3, 3 * rank) != (local.shape[0], 0 if rank == 0 else 6)
+    _one_rank_mesh_face(rank, mesh, full)
     dist.barrier()
+
+
+def _one_rank_mesh_face(rank, mesh, full):
+    """The owner's own mesh as the face: rank 0 holds the matrix, rank 1 an empty tensor."""
+    owner_mesh = DeviceMesh("cpu", [0])  # (every rank makes it: a process group is created)
+    owned = DTensor.from_local(full.clone() if rank == 0 else full.new_empty(0), owner_mesh,
+                               [Replicate()], run_check=False, shape=full.shape,
+                               stride=full.stride())
+    doubled = owned * 2  # elementwise: the owner computes, the other rank skips
+    assert doubled.placements == (Replicate(),)
+    assert doubled.to_local().shape == (full.shape if rank == 0 else (0,))
+    split = DTensor.from_local(full.chunk(2)[rank].clone(), mesh, [Shard(0)], run_check=False)
+    with pytest.raises(RuntimeError, match="same mesh"):
+        torch.nn.utils.get_total_norm([split, owned])  # clip_grad_norm_'s first half
+    assert owned.full_tensor().shape == (full.shape if rank == 0 else (0,))
 
 
 def test_torch_rebuilds_a_ragged_placement_as_shard():
