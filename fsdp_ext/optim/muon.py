@@ -10,8 +10,8 @@ Newton-Schulz orthogonalises a whole matrix; a rank holds a part of it. Per para
       the others)                        orthogonalised there, and each rank gets its part back
                                          (to_owners.py: two all-to-alls per group and mesh, the
                                          owners balanced; DistMuon's traffic)
-    DTensor split along several axes     gathered whole (`full_tensor()`) and orthogonalised on
-                                         every rank, each keeping its own part
+    DTensor split along several axes     gathered (bf16) along all axes but its widest plain
+      (FSDP x TP)                        Shard one, then exchanged over that one as above
     DTensor whole here (Replicate only;  the update is computed from the local tensor: no
       an expert stack sharded along its  collective (fully_shard's default Shard(0) keeps whole
       expert dim only)                   experts on each rank)
@@ -42,12 +42,13 @@ import itertools
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 # torch's own learning-rate adjustment: the same math, bit for bit
 # (tests/optim/test_muon.py fails if torch changes what they compute)
 from torch.optim._muon import _adjust_lr
 
 from .newton_schulz import orthogonalised
-from .to_owners import orthogonalised_parts, piece_of, shard_axis
+from .to_owners import exchange_layout, orthogonalised_parts, piece_of
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
@@ -104,10 +105,8 @@ class Muon(torch.optim.Optimizer):
                     here.append((param, update, _as_is))
                 elif _whole_here(param, group["block_rows"]):
                     here.append((param, update.to_local(), _as_placed))
-                elif shard_axis(param) is not None:
+                else:
                     split.append((param, update))
-                else:  # split over several mesh dims: gathered whole on every rank
-                    here.append((param, update.full_tensor(), _local_part))
                 if not batch:  # one at a time, as torch's Muon: one update alive at once
                     _step_here(here, group, lr)
                     here = []
@@ -154,10 +153,10 @@ def _whole_here(param: DTensor, rows: int | None) -> bool:
 @functools.lru_cache(maxsize=1024)
 def _whole_everywhere(shape, mesh_shape, placements, rows) -> bool:
     """_whole_here from shapes alone (worked out once per kind of parameter, not every step)."""
-    dims = {p.dim for p in placements if isinstance(p, Shard)}
+    dims = {p.dim for p in placements if not isinstance(p, Replicate)}
     if not dims or (len(shape) == 3 and dims == {0}):
         return True
-    if not rows or dims != {0}:
+    if not rows or dims != {0} or any(type(p) not in (Shard, Replicate) for p in placements):
         return False
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
         (count, *_), (first, *_) = piece_of(shape, mesh_shape, coordinate, placements)
@@ -168,13 +167,6 @@ def _whole_everywhere(shape, mesh_shape, placements, rows) -> bool:
 
 def _as_is(ortho: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return ortho
-
-
-def _local_part(ortho: torch.Tensor, param: DTensor) -> DTensor:
-    """This rank's part of the whole update, as a DTensor placed as `param` is."""
-    shape, offset = piece_of(tuple(param.shape), tuple(param.device_mesh.shape),
-                             param.device_mesh.get_coordinate(), param.placements)
-    return _as_placed(ortho[tuple(slice(o, o + s) for o, s in zip(offset, shape))], param)
 
 
 def _as_placed(local: torch.Tensor, param: DTensor) -> DTensor:
@@ -196,9 +188,11 @@ def _check(param, where: str, rows: int | None) -> None:
                          "matrices (2-D) and expert stacks (3-D, one matrix per expert): give "
                          "embeddings, norms, biases and other parameters to AdamW")
     if isinstance(param, DTensor):
-        odd = [p for p in param.placements if type(p) not in (Shard, Replicate)]
-        if odd:
+        placements, mesh_shape = tuple(param.placements), tuple(param.device_mesh.shape)
+        odd = [p for p in placements if type(p) not in (Shard, Replicate, _StridedShard)]
+        if odd or not (_whole_everywhere(tuple(param.shape), mesh_shape, placements, rows)
+                       or exchange_layout(placements, mesh_shape)):
             raise NotImplementedError(
                 f"Muon: {where} is a DTensor placed {param.placements} on "
                 f"{param.device_mesh}; Muon gathers and splits Shard(dim) and Replicate "
-                f"placements, not {odd}")
+                f"placements (and FSDP's _StridedShard beside a Shard(dim)), not these")

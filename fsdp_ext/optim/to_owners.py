@@ -6,12 +6,14 @@ rank's part of the results back: each matrix crosses the shard group twice, as t
 DistMuon moves it, instead of being gathered on every rank and orthogonalised there W times.
 Both ways carry bfloat16, the dtype Newton-Schulz works in: its first step casts the whole
 matrix to it (an elementwise cast, so casting each piece before it is sent gives the same bits)
-and it returns its result in it; DistMuon carries fp32 both ways, four times these bytes.
+and it returns its result in it; DistMuon carries fp32 both ways, twice these bytes.
 
 A batch is the split matrices of one parameter group on one mesh with one shard axis (Shard(dim)
 on that axis, Replicate on the others: the replicas of HSDP exchange alike and compute the same
-result); the pieces of a matrix are concatenated along its shard dim in rank
-order, which is what `full_tensor()` would give, bit for bit.
+result); the pieces of a matrix are concatenated along its shard dim in rank order, which is
+what `full_tensor()` would give, bit for bit. A matrix split along several axes (FSDP x TP) is
+gathered along all but one first (exchange_layout), so the TP ranks of one FSDP group each
+exchange the same matrices over their own FSDP group, as HSDP's replicas do.
 
 On the GPU path: the split sizes are computed from shapes on the host; the collectives are
 torch.distributed's, waited for by the compute stream; no host sync.
@@ -24,7 +26,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..runtime.placement.owners import assign_owners
 
@@ -33,26 +35,49 @@ from ..runtime.placement.owners import assign_owners
 NS_DTYPE = torch.bfloat16
 
 
-def shard_axis(param: DTensor) -> int | None:
-    """The one mesh dim `param` is split over (the others replicate it), or None."""
-    axes = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
-    return axes[0] if len(axes) == 1 else None
+def exchange_layout(placements, mesh_shape) -> tuple[int, tuple] | None:
+    """(mesh axis, placements) a split matrix is exchanged in: its plain Shard(dim) axis over the
+    most ranks (the first on a tie) stays split; every other split axis (FSDP x TP: the other
+    Shard, or FSDP's _StridedShard over TP's rows) is gathered first (Replicate there), so the
+    matrix is split along one axis and replicated along the rest, as under FSDP or HSDP. None
+    where no axis is a plain Shard."""
+    axes = [i for i, p in enumerate(placements) if type(p) is Shard]
+    if not axes:
+        return None
+    axis = max(axes, key=lambda i: (mesh_shape[i], -i))
+    return axis, tuple(p if i == axis else Replicate() for i, p in enumerate(placements))
 
 
 def orthogonalised_parts(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
-    """This rank's part of each update's orthogonalised whole (DTensors split over one mesh axis),
-    each whole matrix orthogonalised on its owner only: `orthogonalise` takes the list of whole
-    matrices a rank owns and returns their results in that order."""
+    """This rank's part of each update's orthogonalised whole (DTensors split along one or more
+    mesh axes), each whole matrix orthogonalised on its owner only: `orthogonalise` takes the
+    list of whole matrices a rank owns and returns their results in that order. An update split
+    along several axes is first gathered along all but one (exchange_layout; in bf16), and its
+    part of the result cut back out of the gathered layout (a local narrowing)."""
     batches = defaultdict(list)
+    laid = []
     for index, update in enumerate(updates):
-        axis = shard_axis(update)
-        batches[(id(update.device_mesh), axis)].append(index)
+        mesh = update.device_mesh
+        axis, placements = exchange_layout(tuple(update.placements), tuple(mesh.shape))
+        if placements != tuple(update.placements):
+            update = update.to(NS_DTYPE).redistribute(mesh, placements)
+        laid.append(update)
+        batches[(id(mesh), axis)].append(index)
     parts: list[torch.Tensor | None] = [None] * len(updates)
-    for indices in batches.values():
-        done = _exchange([updates[i] for i in indices], orthogonalise)
+    for (_, axis), indices in batches.items():
+        done = _exchange([laid[i] for i in indices], axis, orthogonalise)
         for i, part in zip(indices, done):
-            parts[i] = part
+            parts[i] = _as_split(part, laid[i], updates[i])
     return parts
+
+
+def _as_split(part: torch.Tensor, laid: DTensor, update: DTensor) -> torch.Tensor:
+    """This rank's part in `update`'s placements, from its part in the exchanged layout."""
+    if laid.placements == update.placements:
+        return part
+    exchanged = DTensor.from_local(part, laid.device_mesh, laid.placements, run_check=False,
+                                   shape=laid.shape, stride=laid.stride())
+    return exchanged.redistribute(update.device_mesh, update.placements).to_local()
 
 
 def _pieces(update: DTensor, axis: int, world: int) -> tuple[tuple[tuple[int, ...], int], ...]:
@@ -98,8 +123,8 @@ def _owners(sizes: tuple[int, ...], world: int) -> tuple[int, ...]:
     return tuple(assign_owners(list(sizes), world))
 
 
-def _exchange(updates: list[DTensor], orthogonalise) -> list[torch.Tensor]:
-    mesh, axis = updates[0].device_mesh, shard_axis(updates[0])
+def _exchange(updates: list[DTensor], axis: int, orthogonalise) -> list[torch.Tensor]:
+    mesh = updates[0].device_mesh
     group, world = mesh.get_group(axis), mesh.size(axis)
     me = mesh.get_local_rank(axis)
     owners = _owners(tuple(u.numel() for u in updates), world)

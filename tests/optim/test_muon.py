@@ -380,6 +380,50 @@ def _hsdp_worker(rank, world):
     check_sharded_against_torch_fsdp2_and_single_process(rank, world)
 
 
+def _tp_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 12, bias=False),
+                         nn.Tanh(), nn.Linear(12, 8, bias=False))
+
+
+def check_fsdp_x_tp_is_torch_muon_on_the_gathered_gradients(rank, world):
+    """FSDP x TP (2 x 2): matrices split along two mesh axes, FSDP's _StridedShard over TP's
+    rows (column-wise layers) and Shard(0) x Shard(1) (the row-wise one). Each step equals
+    torch.optim.Muon run on whole copies of the parameters fed the gathered gradients, bit for
+    bit, under fsdp_ext's fully_shard and torch's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    for shard in (fsdp_ext.fully_shard, torch_fully_shard):
+        model = _tp_mlp()
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                               "4": ColwiseParallel(output_layouts=Replicate())})
+        shard(model, mesh=mesh["dp"])
+        assert type(model[0].weight.placements[0]) is _StridedShard
+        assert model[2].weight.placements == (Shard(0), Shard(1))
+        ours = Muon(model.parameters(), lr=0.02, adjust_lr_fn="match_rms_adamw")
+        whole = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
+        theirs = torch.optim.Muon(whole, lr=0.02, adjust_lr_fn="match_rms_adamw")
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank // 2))
+            model(x).square().sum().backward()
+            for param, copy in zip(model.parameters(), whole):
+                copy.grad = param.grad.full_tensor()
+            ours.step()
+            theirs.step()
+            ours.zero_grad()
+            for param, copy in zip(model.parameters(), whole):
+                torch.testing.assert_close(param.full_tensor(), copy.detach(), **EXACT,
+                                           msg=lambda m: f"{shard.__module__} step {step}: {m}")
+
+
 @pytest.mark.slow
 def test_sharded_muon_at_world_4_and_under_hsdp():
     run_distributed(_hsdp_worker, 4, timeout_s=240)
+
+
+def test_sharded_muon_under_fsdp_x_tp():
+    run_distributed(check_fsdp_x_tp_is_torch_muon_on_the_gathered_gradients, 4, timeout_s=180)
