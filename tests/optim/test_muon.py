@@ -289,6 +289,64 @@ def check_checkpoint_into_torch_fsdp2(rank, world, directory):
     assert isinstance(momentum, DTensor), type(momentum)
 
 
+def _momenta(model, optimizer) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: st["momentum_buffer"].full_tensor().clone()
+            for p, st in optimizer.state.items()}
+
+
+def _dcp_pair(model, optimizers) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    pair = {f"opt{i}": get_state_dict(model, opt)[1] for i, opt in enumerate(optimizers)}
+    pair["model"] = get_state_dict(model, [])[0]
+    return pair
+
+
+def save_at_world_2(rank, world, directory):
+    import torch.distributed.checkpoint as dcp
+    model, optimizers = _built(fsdp_ext.fully_shard, Muon)
+    _steps(model, optimizers, rank, world, range(2))
+    dcp.save(_dcp_pair(model, optimizers), checkpoint_id=directory)
+    full = {"params": _full_params(model), "momenta": _momenta(model, optimizers[0])}
+    if rank == 0:
+        torch.save(full, f"{directory}.full.pt")
+
+
+def load_at_world_4(rank, world, directory):
+    """The world-2 checkpoint loaded into fsdp_ext's and torch's fully_shard at world 4: the
+    parameters and Muon's momenta hold the saved values, resharded, and both continue alike."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    saved = torch.load(f"{directory}.full.pt")
+    pairs = []
+    for shard in (fsdp_ext.fully_shard, torch_fully_shard):
+        model, optimizers = _built(shard, Muon)
+        _steps(model, optimizers, rank, world, range(1))  # (the optimizer state to load into)
+        loaded = _dcp_pair(model, optimizers)
+        dcp.load(loaded, checkpoint_id=directory)
+        for i, opt in enumerate(optimizers):
+            set_state_dict(model, opt, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded[f"opt{i}"])
+        for group, values in (("params", _full_params(model)),
+                              ("momenta", _momenta(model, optimizers[0]))):
+            assert values.keys() == saved[group].keys(), group
+            for name, value in values.items():
+                torch.testing.assert_close(value, saved[group][name], **EXACT,
+                                           msg=lambda m: f"{group} {name}: {m}")
+        pairs.append((model, _steps(model, optimizers, rank, world, range(2, 4))))
+    (ours, our_losses), (theirs, their_losses) = pairs
+    torch.testing.assert_close(torch.stack(our_losses), torch.stack(their_losses), **EXACT)
+    for name, value in _full_params(theirs).items():
+        torch.testing.assert_close(_full_params(ours)[name], value, **EXACT)
+
+
+@pytest.mark.slow
+def test_muon_state_saved_at_world_2_loads_at_world_4(tmp_path):
+    directory = str(tmp_path / "dcp")
+    run_distributed(save_at_world_2, 2, directory, timeout_s=180)
+    run_distributed(load_at_world_4, 4, directory, timeout_s=180)
+
+
 class _Experts(nn.Module):
     """A routed-experts stack [E, out, in] (as torchtitan's GroupedExperts holds w1/w2/w3)."""
 
