@@ -51,6 +51,7 @@ from .newton_schulz import orthogonalised
 from .to_owners import exchange_layout, orthogonalised_parts, piece_of
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+OWN_OPTIONS = ("block_rows", "batch_same_shape")  # param-group options torch's Muon lacks
 
 
 class Muon(torch.optim.Optimizer):
@@ -80,6 +81,17 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 _check(param, _name(group, index), group["block_rows"])
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load; the options torch's Muon has no name for (`block_rows`,
+        `batch_same_shape`) keep this optimizer's values where the loaded groups lack them (a
+        state dict of torch.optim.Muon, or of DistMuon): each group is still cut into the blocks
+        it was built with."""
+        own = [{k: group[k] for k in OWN_OPTIONS} for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, options in zip(self.param_groups, own):
+            for key, value in options.items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure=None):

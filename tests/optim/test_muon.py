@@ -6,6 +6,8 @@ back; under HSDP too), both within rounding of
 single-process torch.optim.Muon; refusals name the parameter."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -166,6 +168,36 @@ def test_pieces_are_where_dtensor_places_them():
                                                           placements)
             assert piece_of(shape, mesh_shape, coordinate, placements) == want, \
                 (shape, mesh_shape, placements, coordinate)
+
+
+def test_loads_torch_muons_state_and_keeps_its_own_options():
+    """torch.optim.Muon's state dict (no block_rows / batch_same_shape in its groups) loads into
+    fsdp_ext's Muon: the momenta and hyperparameters come from it, the options torch lacks stay
+    as the optimizer was built, and training continues as torch's Muon would, bit for bit."""
+    def run(steps, opt, model):
+        for step in steps:
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    theirs = _mlp()
+    torch_muon = torch.optim.Muon(theirs.parameters(), lr=0.02)
+    run(range(2), torch_muon, theirs)
+    ours = _mlp()
+    ours.load_state_dict(theirs.state_dict())
+    muon = Muon(ours.parameters(), lr=0.5, batch_same_shape=True)
+    muon.load_state_dict(copy.deepcopy(torch_muon.state_dict()))  # (as from a file: no
+    # tensor shared with torch's optimizer, whose steps would then move ours too)
+    assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["batch_same_shape"]
+    muon.param_groups[0]["batch_same_shape"] = False  # (torch's bits, to compare them)
+    run(range(2, 4), torch_muon, theirs)
+    run(range(2, 4), muon, ours)
+    for mine, torchs in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(mine, torchs, **EXACT)
+    heads = nn.Parameter(torch.randn(12, 5))
+    blocks = Muon([{"params": [heads], "block_rows": 4}])
+    blocks.load_state_dict(torch.optim.Muon([heads]).state_dict())
+    assert blocks.param_groups[0]["block_rows"] == 4
 
 
 def test_refusals_name_the_parameter():
