@@ -51,7 +51,6 @@ from .newton_schulz import orthogonalised
 from .to_owners import exchange_layout, orthogonalised_parts, piece_of
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
-OWN_OPTIONS = ("block_rows", "batch_same_shape")  # param-group options torch's Muon lacks
 
 
 class Muon(torch.optim.Optimizer):
@@ -73,25 +72,28 @@ class Muon(torch.optim.Optimizer):
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported "
                              f"(one of {ADJUST_LR_FNS})")
+        # the options torch's Muon has no name for: how each group is cut, kept beside the
+        # groups (group_options) rather than in them, as its parameters' list is: a checkpoint
+        # then holds what torch.optim.Muon's and DistMuon's hold, and loads into either and back
+        # (DCP and torchtitan refuse a group key the checkpoint lacks); a loaded state dict
+        # replaces the groups' hyperparameters, not how they are cut
+        self._option_defaults = dict(block_rows=block_rows, batch_same_shape=batch_same_shape)
+        self.group_options: list[dict] = []  # per param group: block_rows, batch_same_shape
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                       nesterov=nesterov, ns_coefficients=ns_coefficients,
-                                      eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                                      block_rows=block_rows,
-                                      batch_same_shape=batch_same_shape))
-        for group in self.param_groups:
-            for index, param in enumerate(group["params"]):
-                _check(param, _name(group, index), group["block_rows"])
+                                      eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
 
-    def load_state_dict(self, state_dict) -> None:
-        """torch's load; the options torch's Muon has no name for (`block_rows`,
-        `batch_same_shape`) keep this optimizer's values where the loaded groups lack them (a
-        state dict of torch.optim.Muon, or of DistMuon): each group is still cut into the blocks
-        it was built with."""
-        own = [{k: group[k] for k in OWN_OPTIONS} for group in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, options in zip(self.param_groups, own):
-            for key, value in options.items():
-                group.setdefault(key, value)
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with `block_rows` and `batch_same_shape` taken out of the group into
+        group_options (the constructor's values where the group gives none); each parameter is
+        checked (and refused, naming it) here."""
+        param_group = dict(param_group)
+        options = {k: param_group.pop(k, v) for k, v in self._option_defaults.items()}
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for index, param in enumerate(group["params"]):
+            _check(param, _name(group, index), options["block_rows"])
+        self.group_options.append(options)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -99,10 +101,11 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group, options in zip(self.param_groups, self.group_options):
+            group = {**group, **options}
             lr = group["lr"]
             lr = lr.item() if isinstance(lr, torch.Tensor) else lr  # (torch's _to_scalar)
-            batch = group.get("batch_same_shape")
+            batch = group["batch_same_shape"]
             here = []  # (param, what is orthogonalised here, how its result is placed)
             split = []  # (param, its Nesterov update): orthogonalised on their owners
             for param in group["params"]:

@@ -39,7 +39,7 @@ def orthogonalised(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
         raise ValueError(f"Muon: ns_steps must be below 100 and ns_coefficients 3 values, "
                          f"got {args[1]} and {args[0]}")
     stacks = [_as_stack(t, group["block_rows"]) for t in tensors]
-    if group.get("batch_same_shape"):
+    if group["batch_same_shape"]:
         results = _batched_by_shape(stacks, args)
     else:
         results = [_one_by_one(s, args) for s in stacks]

@@ -61,16 +61,17 @@ BOTH_WAYS = (("torch", "fsdp_ext"), ("fsdp_ext", "torch"))
 
 
 def _resume_across(tmp_path, assets, runs: dict, steps: int, saved_at: int,
-                   directions=BOTH_WAYS, **launch_kw) -> None:
+                   directions=BOTH_WAYS, label: str = "", **launch_kw) -> None:
     """Each implementation resumes from the other's step-`saved_at` checkpoint (model, optimizer,
     lr scheduler, dataloader, step; load_only keeps that folder as it was): its later steps equal
-    the uninterrupted run's. `directions`: (source, resumer) pairs."""
+    the uninterrupted run's. `directions`: (source, resumer) pairs; `label` tells the resumed
+    runs' folders apart from another call's."""
     uninterrupted = {s: v for s, v in runs["torch"].items() if s > saved_at}
     for source, impl in directions:
         resume = ["--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.load_only",
                   "--checkpoint.folder", str(tmp_path / source / "checkpoint"),
                   "--checkpoint.load_step", str(saved_at)]
-        records, _ = launch(impl, str(tmp_path / f"{impl}_from_{source}"), assets, resume,
+        records, _ = launch(impl, str(tmp_path / f"{impl}{label}_from_{source}"), assets, resume,
                             **launch_kw)
         assert _trajectory(records) == uninterrupted, f"{impl} from {source}'s step {saved_at}"
 
@@ -94,7 +95,8 @@ def test_torchtitan_trainer_dist_muon_matches_torch_fsdp2(tmp_path):
     """llama3 with torchtitan's Kimi recipe (tests/helpers/titan_overrides.py `dist_muon`: its
     DistMuon per head for the fused wqkv, whole for wo/w1/w2/w3; AdamW for the rest): the losses and
     gradient norms agree bitwise every step, and fsdp_ext resumes torch's checkpoint (DistMuon's
-    momentum included) onto the same trajectory."""
+    momentum included) onto the same trajectory. fsdp_ext with its own Muon in DistMuon's place
+    (`fsdp_ext_muon`) gives the same trajectory, and resumes the same checkpoint onto it."""
     assets = make_assets(str(tmp_path / "assets"))
     muon = ["--override.imports",
             'tests.helpers.titan_overrides.dist_muon={"n_layers": 6, "head_dim": 16}']
@@ -104,6 +106,16 @@ def test_torchtitan_trainer_dist_muon_matches_torch_fsdp2(tmp_path):
     assert runs["torch"][STEPS][0] < runs["torch"][1][0]    # it trains
     _resume_across(tmp_path, assets, runs, STEPS, SAVE_AT, directions=(("torch", "fsdp_ext"),),
                    base=[*SMALL, *muon])
+    # fsdp_ext's own Muon on the same split (tests/helpers/titan_overrides.py `fsdp_ext_muon`):
+    # torch's trajectory under DistMuon, bit for bit, from the start and from its checkpoint
+    # (DistMuon's momenta are fsdp_ext's Muon's: one per matrix, placed as the parameter)
+    own = ["--override.imports", 'tests.helpers.titan_overrides.fsdp_ext_muon={"head_dim": 16}']
+    records, log = launch("fsdp_ext", str(tmp_path / "fsdp_ext_muon"), assets,
+                          [*own, "--training.steps", str(STEPS)])
+    assert "Optimizer Muon" in log and "DistMuon" not in log
+    assert _trajectory(records) == runs["torch"]
+    _resume_across(tmp_path, assets, runs, STEPS, SAVE_AT, directions=(("torch", "fsdp_ext"),),
+                   label="_muon", base=[*SMALL, *own])
 
 
 @pytest.mark.slow

@@ -16,6 +16,12 @@ held before the overrides ran.
 matrices, AdamW for the rest), which only its Kimi configs ship:
 
     --override.imports 'tests.helpers.titan_overrides.dist_muon={"n_layers": 6, "head_dim": 16}'
+
+`fsdp_ext_muon` is the same split with fsdp_ext.optim.Muon in DistMuon's place (wqkv per head
+through `block_rows`, the other matrices whole), registered as torchtitan's optimizer "Muon"
+(torchtitan resolves optimizer names from a fixed table: Adam, AdamW, DistMuon):
+
+    --override.imports 'tests.helpers.titan_overrides.fsdp_ext_muon={"head_dim": 16}'
 """
 from __future__ import annotations
 
@@ -80,6 +86,35 @@ def dist_muon(cfg: OptimizersContainer.Config, *, n_layers: int, head_dim: int,
     ]
     cfg.optimizer_factory_kwargs_by_name = {
         "DistMuon": {"bucket_configs": buckets, "compute_sharding_by_fqn": layouts}}
+    return cfg
+
+
+@override(target=OptimizersContainer.Config, description="fsdp_ext's Muon on the blocks' matrices")
+def fsdp_ext_muon(cfg: OptimizersContainer.Config, *, head_dim: int,
+                  lr: float = 8e-4) -> OptimizersContainer.Config:
+    """dist_muon's split and hyperparameters with fsdp_ext.optim.Muon: each block's fused wqkv
+    per head (`block_rows=head_dim`, the heads batched by shape as DistMuon batches a
+    parameter's blocks, so that the two round alike), wo, w1, w2, w3 whole; AdamW for the
+    rest."""
+    import fsdp_ext.optim
+
+    resolve = OptimizersContainer._resolve_optimizer_factory
+    if getattr(resolve, "__name__", "") != "fsdp_ext_muon_factory":
+        def fsdp_ext_muon_factory(name: str):
+            return fsdp_ext.optim.Muon if name == "Muon" else resolve(name)
+        OptimizersContainer._resolve_optimizer_factory = staticmethod(fsdp_ext_muon_factory)
+    muon = {"lr": lr, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    cfg.implementation = "foreach"  # AdamW as dist_muon runs it (the default fuses it)
+    cfg.param_groups = [
+        ParamGroupConfig(pattern=r"attention\.qkv_linear\.wqkv\.weight$", optimizer_name="Muon",
+                         optimizer_kwargs={**muon, "block_rows": head_dim,
+                                           "batch_same_shape": True}),
+        ParamGroupConfig(pattern=r"(attention\.wo|feed_forward\.w[123])\.weight$",
+                         optimizer_name="Muon", optimizer_kwargs=muon),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8,
+                                           "weight_decay": 0.1}),
+    ]
     return cfg
 
 

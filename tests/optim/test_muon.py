@@ -170,10 +170,11 @@ def test_pieces_are_where_dtensor_places_them():
                 (shape, mesh_shape, placements, coordinate)
 
 
-def test_loads_torch_muons_state_and_keeps_its_own_options():
-    """torch.optim.Muon's state dict (no block_rows / batch_same_shape in its groups) loads into
-    fsdp_ext's Muon: the momenta and hyperparameters come from it, the options torch lacks stay
-    as the optimizer was built, and training continues as torch's Muon would, bit for bit."""
+def test_state_dicts_interchange_with_torch_muon():
+    """fsdp_ext's Muon holds in its state dict what torch.optim.Muon holds (block_rows and
+    batch_same_shape live in group_options, not in the groups), so each loads the other's: the
+    momenta and hyperparameters come from the state dict, the options stay as the optimizer was
+    built, and training continues as torch's Muon would, bit for bit."""
     def run(steps, opt, model):
         for step in steps:
             x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
@@ -185,19 +186,22 @@ def test_loads_torch_muons_state_and_keeps_its_own_options():
     run(range(2), torch_muon, theirs)
     ours = _mlp()
     ours.load_state_dict(theirs.state_dict())
-    muon = Muon(ours.parameters(), lr=0.5, batch_same_shape=True)
+    muon = Muon(ours.parameters(), lr=0.5)
     muon.load_state_dict(copy.deepcopy(torch_muon.state_dict()))  # (as from a file: no
     # tensor shared with torch's optimizer, whose steps would then move ours too)
-    assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["batch_same_shape"]
-    muon.param_groups[0]["batch_same_shape"] = False  # (torch's bits, to compare them)
+    assert muon.param_groups[0]["lr"] == 0.02
+    assert muon.state_dict()["param_groups"][0].keys() == \
+        torch_muon.state_dict()["param_groups"][0].keys()
     run(range(2, 4), torch_muon, theirs)
     run(range(2, 4), muon, ours)
     for mine, torchs in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(mine, torchs, **EXACT)
+    back = torch.optim.Muon(_mlp().parameters())
+    back.load_state_dict(copy.deepcopy(muon.state_dict()))
     heads = nn.Parameter(torch.randn(12, 5))
-    blocks = Muon([{"params": [heads], "block_rows": 4}])
+    blocks = Muon([{"params": [heads], "block_rows": 4}], batch_same_shape=True)
     blocks.load_state_dict(torch.optim.Muon([heads]).state_dict())
-    assert blocks.param_groups[0]["block_rows"] == 4
+    assert blocks.group_options == [{"block_rows": 4, "batch_same_shape": True}]
 
 
 def test_refusals_name_the_parameter():
