@@ -56,7 +56,8 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's arguments, defaults and checks, for matrices of any placement: 2-D
     parameters, and 3-D expert stacks orthogonalised per expert. A parameter of another number
-    of dims, or a DTensor placed otherwise than by Shard/Replicate, is refused naming it."""
+    of dims, or a DTensor placed otherwise than by Shard/Replicate (and FSDP's _StridedShard
+    beside a Shard), is refused naming it."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True,
@@ -94,6 +95,11 @@ class Muon(torch.optim.Optimizer):
         for index, param in enumerate(group["params"]):
             _check(param, _name(group, index), options["block_rows"])
         self.group_options.append(options)
+
+    def __getstate__(self) -> dict:
+        """torch's (pickle, copy.deepcopy) with the options beside the groups."""
+        return {**super().__getstate__(), "group_options": self.group_options,
+                "_option_defaults": self._option_defaults}
 
     @torch.no_grad()
     def step(self, closure=None):

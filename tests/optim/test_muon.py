@@ -202,6 +202,7 @@ def test_state_dicts_interchange_with_torch_muon():
     blocks = Muon([{"params": [heads], "block_rows": 4}], batch_same_shape=True)
     blocks.load_state_dict(torch.optim.Muon([heads]).state_dict())
     assert blocks.group_options == [{"block_rows": 4, "batch_same_shape": True}]
+    assert copy.deepcopy(blocks).group_options == blocks.group_options  # (pickled alike)
 
 
 def test_refusals_name_the_parameter():
