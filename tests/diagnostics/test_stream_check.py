@@ -288,6 +288,25 @@ def _clip_plant(plant):
     return _patched(owner, attr, patch)
 
 
+def _syncs_of(model, call, into: list):
+    """`call`, wrapped: the host syncs each of its calls makes, wherever, go to `into`."""
+    def recorded(*args, **kwargs):
+        first = len(model.syncs.records)
+        result = call(*args, **kwargs)
+        into.extend(model.syncs.records[first:])
+        return result
+    return recorded
+
+
+def _once_per_step_from_the_second(model, steps: int, rank: int) -> None:
+    """The runtime's host syncs at ALLOWED sites only, and one per step from the second on (one
+    root, one forward per step)."""
+    assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
+    runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
+    counts = [runtime.count(s) for s in range(1, steps + 1)]
+    assert counts[1:] == [1] * (steps - 1), (rank, counts, model.syncs.records)
+
+
 def offload_clip_worker(rank: int, world_size: int, plant: str | None) -> None:
     """CPU offload with clip_grad_norm_ every step (four units): the host syncs of fsdp_ext's API
     (the clip) are one per step, the coefficient the host needs to scale the host gradients (the
@@ -300,9 +319,7 @@ def offload_clip_worker(rank: int, world_size: int, plant: str | None) -> None:
 
     def clip(sharded, _):
         if isinstance(sharded, fsdp_ext.FSDPModule):
-            first = len(model.syncs.records)
-            sharded.clip_grad_norm_(1e9)
-            in_clip.extend(model.syncs.records[first:])
+            _syncs_of(model, lambda: sharded.clip_grad_norm_(1e9), in_clip)()
     with _clip_plant(plant), stream_check() as model:
         with model.syncs.label("offload_clip"):
             test_runtime._compare_training(
@@ -426,12 +443,7 @@ def chunked_loss_worker(rank: int, world_size: int, plant: bool) -> None:
             opt.step()
             opt.zero_grad()
 
-    def check():
-        assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
-        runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
-        counts = [runtime.count(s) for s in range(1, steps + 1)]
-        assert counts[1:] == [1] * (steps - 1), (rank, counts, model.syncs.records)
-    _expect(plant, check)
+    _expect(plant, lambda: _once_per_step_from_the_second(model, steps, rank))
     dist.barrier()
 
 
@@ -465,20 +477,12 @@ def muon_worker(rank: int, world_size: int, plant: bool) -> None:
         net, optimizers = test_dist_muon._built(
             fsdp_ext.fully_shard, lambda m, mesh: test_dist_muon._fsdp_ext_muon(m, mesh, True),
             mesh)
-        muon_step, in_muon = optimizers[0].step, []  # the host syncs each Muon step made
-
-        def step():
-            first = len(model.syncs.records)
-            muon_step()
-            in_muon.extend(model.syncs.records[first:])
-        optimizers[0].step = step
+        in_muon = []  # the host syncs each Muon step made
+        optimizers[0].step = _syncs_of(model, optimizers[0].step, in_muon)
         test_muon._steps(net, optimizers, rank, world_size, range(steps), rows=8)
 
     def check():
-        assert not host_syncs.unallowed(model.syncs.records), model.syncs.records
-        runtime = [r.step for r in model.syncs.records if r.origin == "runtime"]
-        counts = [runtime.count(s) for s in range(1, steps + 1)]
-        assert counts[1:] == [1] * (steps - 1), (rank, counts, model.syncs.records)
+        _once_per_step_from_the_second(model, steps, rank)
         assert not in_muon, in_muon
     _expect(plant, check)
     dist.barrier()
